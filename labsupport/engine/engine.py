@@ -1,0 +1,136 @@
+"""LLMEngine: one loop tells the whole story. ``step()`` = schedule -> run -> postprocess.
+
+``add_request`` checks and queues; ``step`` runs one forward pass for the scheduled batch and
+appends one token to every sequence it finished feeding; requests that hit EOS, a stop string,
+``max_tokens`` or the context length leave at once.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..models.loader import load_model, resolve_device
+from .attention import RecomputeAttention
+from .request import Request, RequestOutput, SamplingParams
+from .runner import ModelRunner
+from .scheduler import Scheduler
+
+
+@dataclass
+class EngineConfig:
+    """Engine options, with vLLM's names."""
+
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    max_model_len: int | None = None  # default: the model's own context length, at most 8192
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = False
+    enable_chunked_prefill: bool = False
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if getattr(self, name):
+                raise ValueError(f"{name}=True needs the paged KV engine of chapters 03-05, "
+                                 "which this version does not have yet")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, backend=None):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.model, self.tokenizer, self.model_path = load_model(config.model, self.device, config.dtype)
+        limit = self.model.config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or min(limit, 8192), limit)
+        self.eos_token_ids = self._eos_token_ids()
+        self.backend = backend or RecomputeAttention()
+        self.runner = ModelRunner(self.model, self.backend, self.device)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens)
+        self.counters = {"prompt_tokens_computed": 0, "generation_tokens": 0, "num_steps": 0}
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        gen = self.model_path / "generation_config.json"
+        if gen.exists():
+            import json
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        return ids
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None, prompt: str | None = None) -> Request:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: give at least one token of text")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is "
+                             f"{self.max_model_len}: shorten the prompt or raise max_model_len")
+        vocab = self.model.config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        req = Request(prompt_token_ids, params, request_id, prompt)
+        self.scheduler.add(req)
+        return req
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Request]:
+        """One forward pass. Returns the requests that received a token (finished ones included)."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        tokens = self.runner.execute(batch)
+        now = time.perf_counter()
+        self.counters["num_steps"] += 1
+        touched = []
+        for req, n, token in zip(batch.requests, batch.num_new_tokens, tokens):
+            # prompt tokens that went through the model this step (recompute counts them every step)
+            start = req.num_computed_tokens
+            self.counters["prompt_tokens_computed"] += max(0, min(len(req.prompt_token_ids), start + n) - start)
+            req.num_computed_tokens = req.num_computed_tokens + n if self.backend.keeps_kv else 0
+            self._append_token(req, token, now)
+            touched.append(req)
+        return touched
+
+    def _append_token(self, req: Request, token: int, now: float):
+        req.output_token_ids.append(token)
+        self.counters["generation_tokens"] += 1
+        req.metrics.token_times.append(now)
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        reason = None
+        if token in self.eos_token_ids and not req.params.ignore_eos:
+            reason = "stop"
+        elif any(s in req.text for s in req.params.stop):
+            cut = min(req.text.find(s) for s in req.params.stop if s in req.text)
+            req.text, reason = req.text[:cut], "stop"
+        elif len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason:
+            req.metrics.finished_time = now
+            self.scheduler.finish(req, reason)
+            self.runner.sampler.release(req)
+
+    def abort(self, req: Request):
+        """Drop a request (a client went away): it leaves the queues and frees what it held."""
+        if not req.is_finished:
+            req.metrics.finished_time = time.perf_counter()
+            self.scheduler.finish(req, "abort")
+            self.runner.sampler.release(req)
+
+    @staticmethod
+    def output(req: Request) -> RequestOutput:
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.text,
+                             list(req.output_token_ids), req.finish_reason, req.metrics)
+
+    def stats(self) -> dict:
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            **self.counters,
+        }

@@ -1,0 +1,146 @@
+"""A request's life: what was asked (SamplingParams), where it is (Request), what came out.
+
+The engine tracks one number per request that drives everything else, as vLLM's v1 engine
+does: ``num_computed_tokens``, how many of the request's tokens already have K/V in the
+cache. Whatever is not yet computed is fed to the next forward pass. Without a cache that
+number stays 0, so every step feeds the whole sequence again.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """vLLM's names and defaults for the parameters the course uses."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (``time.perf_counter``) and the latencies a serving engineer reads."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: queueing + prefill + one sample."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first (the mean inter-token latency)."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    @property
+    def itl(self) -> list[float]:
+        """Inter-token latencies, one per token after the first."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+_ids = itertools.count()
+
+
+class Request:
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                 prompt: str | None = None):
+        self.request_id = request_id if request_id is not None else str(next(_ids))
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.finish_reason: str | None = None
+        self.text = ""
+        self.metrics = RequestMetrics(arrival_time=time.perf_counter())
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def __repr__(self):
+        return (f"Request({self.request_id}, {self.status.value}, prompt={len(self.prompt_token_ids)}, "
+                f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens})")
+
+
+@dataclass
+class RequestOutput:
+    """What ``LLM.generate`` returns per prompt (flattened from vLLM's ``outputs[0]``)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def outputs(self):
+        """vLLM shape: ``out.outputs[0].text`` works as in vLLM."""
+        return [self]
+
+    @property
+    def ttft(self):
+        return self.metrics.ttft
+
+    @property
+    def tpot(self):
+        return self.metrics.tpot
+
+    def __repr__(self):
+        return (f"RequestOutput(id={self.request_id}, text={self.text!r}, "
+                f"tokens={len(self.token_ids)}, finish_reason={self.finish_reason})")

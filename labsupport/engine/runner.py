@@ -1,0 +1,36 @@
+"""Mechanism: turn a scheduled batch into one forward pass and one new token per sequence.
+
+The runner knows nothing about queues or policy. It flattens the scheduled tokens of all
+sequences into one [T] tensor with their positions (no padding), runs the model once with
+the attention backend, and samples from the last position of each sequence.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..models.llama import LlamaForCausalLM
+from .attention import AttentionBackend, AttentionBatch
+from .sampler import Sampler
+from .scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, device: torch.device):
+        self.model, self.backend, self.device = model, backend, device
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[int]:
+        token_ids, positions, context_lens = [], [], []
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            start = req.num_computed_tokens
+            token_ids += req.all_token_ids[start:start + n]
+            positions += range(start, start + n)
+            context_lens.append(start + n)
+        meta = AttentionBatch(query_lens=list(batch.num_new_tokens), context_lens=context_lens)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, pos, self.backend, meta)
+        last = torch.tensor(meta.query_offsets[1:], device=self.device) - 1
+        logits = self.model.logits(hidden[last])
+        return self.sampler.sample(logits, batch.requests)

@@ -1,0 +1,228 @@
+"""The Llama-family transformer in plain PyTorch: Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3.
+
+One file you can read in a sitting, in the spirit of gpt-fast. Two choices shape it:
+
+* The model works on a *flat* list of tokens from many sequences (no padding): shape [T, ...].
+  Each token carries its own position, so one forward pass can mix a 900-token prompt with
+  single-token decodes of other requests. Which token belongs to which sequence is only the
+  attention's business.
+* Attention over past tokens is a pluggable backend (``labsupport.engine.attention``): the
+  model computes q, k, v for the new tokens and hands them over. Recompute-everything, a
+  contiguous KV cache and paged KV blocks are different backends; the model never changes.
+
+Weight names equal Hugging Face's, so a ``model.safetensors`` loads with ``load_state_dict``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelConfig:
+    """The handful of numbers a Llama-family model is made of (read from a HF ``config.json``)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict = field(default_factory=dict)  # {"rope_type": "llama3"|"yarn"|"linear", ...}
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: q/k/v projections carry a bias
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    model_type: str = "llama"
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        """Build from a ``config.json`` dict (transformers 4.x ``rope_scaling`` or 5.x ``rope_parameters``)."""
+        model_type = hf.get("model_type", "llama")
+        if model_type not in ("llama", "mistral", "qwen2", "qwen3"):
+            raise ValueError(f"model_type {model_type!r} is not a Llama/Mistral/Qwen2/Qwen3 model; "
+                             "choose a checkpoint of one of those families")
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
+        if rope.get("rope_type", rope.get("type", "default")) == "default":
+            rope = {}
+        heads = hf["num_attention_heads"]
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=rope,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            attention_bias=hf.get("attention_bias", model_type == "qwen2"),
+            qk_norm=model_type == "qwen3",
+            model_type=model_type,
+        )
+
+
+def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies of rotary embeddings and the attention scaling, for each RoPE variant.
+
+    Long-context models stretch the low frequencies so positions beyond the training length
+    still look familiar: Llama 3 scales by wavelength band, YaRN blends interpolation and
+    extrapolation per dimension and rescales attention, "linear" divides all positions.
+    """
+    dim, base = cfg.head_dim, cfg.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    s = cfg.rope_scaling
+    kind = s.get("rope_type", s.get("type", "default"))
+    scaling = 1.0
+    if kind == "linear":
+        inv_freq = inv_freq / s["factor"]
+    elif kind == "llama3":
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_len = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+        medium = (wavelen <= old_len / lo) & (wavelen >= old_len / hi)
+        inv_freq = torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif kind == "yarn":
+        factor = s["factor"]
+        old_len = s.get("original_max_position_embeddings") or cfg.max_position_embeddings
+        beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+        def correction_dim(rotations):
+            return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(beta_fast)), 0)
+        high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        inv_freq = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
+        scaling = s.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    elif kind != "default":
+        raise ValueError(f"RoPE type {kind!r} is not supported (default, linear, llama3, yarn are)")
+    return inv_freq.float(), float(scaling)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + d/2) of each head by the token's angle. x: [T, heads, d]; cos/sin: [T, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 like the reference, so bf16 runs round the same way.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.cfg = layer, cfg
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, backend, batch):
+        t, d = x.shape[0], self.cfg.head_dim
+        q = self.q_proj(x).view(t, self.cfg.num_heads, d)
+        k = self.k_proj(x).view(t, self.cfg.num_kv_heads, d)
+        v = self.v_proj(x).view(t, self.cfg.num_kv_heads, d)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = backend.attend(self.layer, q, k, v, batch)  # [T, heads, d]
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, backend, batch):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward(token_ids, positions, backend, batch)`` -> hidden states of every token.
+
+    ``logits(hidden)`` projects only the rows you ask for: during generation that is one row
+    per sequence (its last token), which saves a [T, vocab] matmul on long prompts.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        inv_freq, self.rope_scaling = rope_frequencies(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((angles, angles), dim=-1)
+        return (emb.cos() * self.rope_scaling).to(dtype), (emb.sin() * self.rope_scaling).to(dtype)
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, backend, batch) -> torch.Tensor:
+        x = self.model.embed_tokens(token_ids)
+        cos, sin = self.rope_cos_sin(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, backend, batch)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
