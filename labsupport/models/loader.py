@@ -99,7 +99,7 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
             raise ValueError(f"model folder {path} has no config.json; give a Hugging Face model folder")
         return path
     if path.exists() or str(model).count("/") != 1:
-        raise ValueError(f"unknown model {str(model)!r}: give None for the embedded {DEFAULT_MODEL}, "
+        raise ValueError(f"unknown model {str(model)!r}: omit it for the embedded {DEFAULT_MODEL}, "
                          "a Hugging Face model folder, or a hub id like Qwen/Qwen3-0.6B")
     try:
         from huggingface_hub import snapshot_download

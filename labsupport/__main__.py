@@ -1,0 +1,51 @@
+"""Command line: ``python -m labsupport {generate,serve,prepare}``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m labsupport", description="LLM Serving Lab engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="print the completion of a prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="apply the chat template to the prompt")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    srv = sub.add_parser("serve", help="start the OpenAI-compatible server")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", default=None)
+    sub.add_parser("prepare", help="convert the embedded default model once (make lab does this)")
+    for p in (gen, srv):
+        p.add_argument("--model", default=None, help="HF folder or hub id (default: embedded SmolLM2-135M-Instruct)")
+        p.add_argument("--device", default="auto")
+        p.add_argument("--dtype", default="auto")
+    args = parser.parse_args(argv)
+
+    if args.command == "prepare":
+        from .models.loader import prepare_default_model
+        print(prepare_default_model())
+        return 0
+    from . import LLM, SamplingParams
+    try:
+        llm = LLM(model=args.model, device=args.device, dtype=args.dtype)
+        if args.command == "generate":
+            prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+            out = llm.generate(prompt, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                                      seed=args.seed), use_tqdm=False)[0]
+            print(out.text)
+            return 0
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+    from .serve.api import create_app
+    uvicorn.run(create_app(llm, args.served_model_name), host=args.host, port=args.port)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""A minimal OpenAI-compatible server over ``LLM``: ``/v1/chat/completions``, ``/v1/completions``,
+``/v1/models``, ``/health``. Chapter 06 replaces the lock below with an async engine that
+batches concurrent requests; the HTTP surface stays the same.
+
+Errors look like OpenAI's (``{"error": {"message", "type", "param", "code"}}``) with the right
+status: 400 for a bad request, 404 for an unknown model. Never a traceback.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from typing import Literal
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+from sse_starlette.sse import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
+
+from ..engine.request import SamplingParams
+from ..llm import LLM
+
+
+class Message(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class CompletionParams(BaseModel):
+    model: str
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=1)
+
+    def sampling_params(self) -> SamplingParams:
+        limit = next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None), 256)
+        return SamplingParams(max_tokens=limit,
+                              temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                              stop=self.stop, ignore_eos=self.ignore_eos)
+
+
+class ChatCompletionRequest(CompletionParams):
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionRequest(CompletionParams):
+    prompt: str
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+
+def error_response(status: int, message: str, type_: str, param=None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}},
+                        status_code=status)
+
+
+def create_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
+    name = served_model_name or llm.engine.model_path.name
+    app = FastAPI(title="LLM Serving Lab")
+    lock = threading.Lock()  # one generation at a time: the minimal server does not batch yet
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(_, exc: RequestValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"] if p != "body")
+        return error_response(400, f"{where}: {first['msg']}", "invalid_request_error", where or None)
+
+    @app.exception_handler(APIError)
+    async def api_error(_, exc: APIError):
+        return error_response(exc.status, exc.message, exc.type, exc.param)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_, exc: Exception):
+        return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+
+    def check(req: CompletionParams, prompt):
+        if req.model != name:
+            raise APIError(404, f"The model `{req.model}` does not exist. Served: `{name}`.", "not_found_error", "model")
+        try:
+            params = req.sampling_params()
+            ids, text = llm.tokenize(prompt)
+            if not ids:
+                raise ValueError("the prompt is empty: give at least one token of text")
+            if len(ids) >= llm.engine.max_model_len:
+                raise ValueError(f"the prompt has {len(ids)} tokens but the model's context is "
+                                 f"{llm.engine.max_model_len}: shorten it")
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+        return ids, text, params
+
+    def run(ids, text, params, on_token=None):
+        with lock:
+            req = llm.engine.add_request(ids, params, prompt=text)
+            try:
+                while not req.is_finished:
+                    llm.engine.step()
+                    if on_token and not on_token(req):
+                        llm.engine.abort(req)  # the client went away: stop spending compute on it
+            finally:
+                llm.engine.abort(req)
+            return req
+
+    def usage(req):
+        p, c = len(req.prompt_token_ids), len(req.output_token_ids)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    async def respond(req_body: CompletionParams, prompt, chat: bool, http: HTTPRequest):
+        ids, text, params = check(req_body, [m.model_dump() for m in prompt] if chat else prompt)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        if not req_body.stream:
+            req = await run_in_threadpool(run, ids, text, params)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": req.text}} if chat
+                      else {"index": 0, "text": req.text})
+            return {"id": rid, "object": obj, "created": created, "model": name,
+                    "choices": [{**choice, "finish_reason": req.finish_reason}], "usage": usage(req)}
+        return EventSourceResponse(stream(rid, created, ids, text, params, chat, req_body, http),
+                                   ping=15, sep="\n")
+
+    async def stream(rid, created, ids, text, params, chat, body, http):
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        state = {"sent": 0, "connected": True}
+
+        def on_token(req):
+            delta = req.text[state["sent"]:]
+            state["sent"] = len(req.text)
+            loop.call_soon_threadsafe(queue.put_nowait, (delta, req.finish_reason))
+            return state["connected"]
+
+        def work():
+            try:
+                return run(ids, text, params, on_token)
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, None)  # always wake the stream up
+
+        task = loop.run_in_executor(None, work)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta=None, finish=None, role=False):
+            if chat:
+                d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta is not None else {})
+                choice = {"index": 0, "delta": d, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta or "", "finish_reason": finish}
+            return json.dumps({"id": rid, "object": obj, "created": created, "model": body.model, "choices": [choice]})
+
+        try:
+            if chat:
+                yield chunk(role=True)
+            while (item := await queue.get()) is not None:
+                delta, finish = item
+                if delta or finish:
+                    yield chunk(delta, finish)
+            try:
+                req = await task
+            except Exception as exc:
+                yield json.dumps({"error": {"message": f"internal error: {type(exc).__name__}",
+                                            "type": "internal_error", "param": None, "code": 500}})
+                return
+            if body.stream_options and body.stream_options.include_usage:
+                yield json.dumps({"id": rid, "object": obj, "created": created, "model": body.model,
+                                  "choices": [], "usage": usage(req)})
+            yield "[DONE]"
+        finally:
+            state["connected"] = False  # on disconnect the engine thread aborts at its next token
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
+        return await respond(body, body.messages, True, http)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HTTPRequest):
+        return await respond(body, body.prompt, False, http)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "labsupport",
+                                            "max_model_len": llm.engine.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    return app

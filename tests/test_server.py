@@ -1,0 +1,96 @@
+"""The minimal OpenAI-compatible server, on a real loopback port, driven by the official client."""
+import time
+
+import httpx
+import openai
+import pytest
+
+from labsupport import SamplingParams
+from labsupport.serve.api import create_app
+from labsupport.serve.background import BackgroundServer
+
+QUESTION = [{"role": "user", "content": "Name a fruit that is yellow."}]
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    with BackgroundServer(create_app(llm, "smol")) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+
+
+def test_chat_completion_equals_offline_generate(llm, client):
+    resp = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=16, temperature=0)
+    ref = llm.generate(QUESTION, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)[0]
+    assert resp.choices[0].message.content == ref.text
+    assert resp.choices[0].finish_reason == ref.finish_reason
+    assert resp.usage.completion_tokens == len(ref.token_ids)
+    assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+def test_streamed_chunks_add_up_to_the_full_answer_with_usage(client):
+    full = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=16, temperature=0)
+    chunks = list(client.chat.completions.create(model="smol", messages=QUESTION, max_completion_tokens=16,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+
+
+def test_text_completion_endpoint(llm, client):
+    resp = client.completions.create(model="smol", prompt="The capital of France is", max_tokens=8, temperature=0)
+    ref = llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
+    assert resp.choices[0].text == ref.text
+
+
+def test_unknown_model_is_404_with_openai_error(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-9", messages=QUESTION, max_tokens=4)
+    assert "gpt-9" in err.value.body["message"]
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"messages": []}, "messages"),
+    ({"messages": QUESTION, "max_tokens": 0}, "max_tokens"),
+    ({"messages": QUESTION, "temperature": -1}, "temperature"),
+    ({"messages": [{"role": "user", "content": "word " * 9000}]}, "shorten"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+])
+def test_bad_requests_get_400_json_errors(server, body, needle):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": "smol", **body}, timeout=30)
+    assert r.status_code == 400
+    assert needle in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_malformed_json_is_400_not_a_traceback(server):
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", timeout=10,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_client_disconnecting_mid_stream_aborts_its_request(llm, server):
+    body = {"model": "smol", "messages": QUESTION, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break  # hang up after a few tokens
+    deadline = time.time() + 20
+    while llm.stats()["num_requests_running"] and time.time() < deadline:
+        time.sleep(0.1)
+    assert llm.stats()["num_requests_running"] == 0
+    # the server still answers afterwards
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": "smol", "messages": QUESTION, "max_tokens": 2},
+                   timeout=30)
+    assert r.status_code == 200
+
+
+def test_models_and_health(server):
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == "smol"
