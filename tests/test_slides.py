@@ -1,0 +1,204 @@
+"""The slides toolchain: figures come from tagged notebook cells, decks build offline.
+
+The builds run on a tiny fixture notebook and deck in a temporary folder, so these tests need
+neither the course model nor executed course notebooks. Building needs Marp
+(`npm ci --prefix slides`); the PDF test also needs Chromium. Without them those tests skip
+and say why.
+"""
+from __future__ import annotations
+
+import base64
+import importlib.util
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import nbformat
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BUILD = REPO / "slides" / "build.py"
+MARP = REPO / "slides" / "node_modules" / ".bin" / "marp"
+
+
+def load_build_module():
+    spec = importlib.util.spec_from_file_location("slides_build", BUILD)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tiny_png(width: int = 24, height: int = 16) -> bytes:
+    """A real PNG (a colour gradient) written with zlib, so no imaging library is needed."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    rows = b"".join(b"\x00" + bytes(c for x in range(width) for c in (10 * x % 256, 15 * y % 256, 200))
+                    for y in range(height))
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows))
+            + chunk(b"IEND", b""))
+
+
+def write_notebook(path: Path, tag: str, png: bytes | None) -> None:
+    cell = nbformat.v4.new_code_cell("plot()", metadata={"tags": ["hide-input", tag]})
+    data = {"text/plain": "<Figure size 640x480>"}
+    if png is not None:
+        data["image/png"] = base64.b64encode(png).decode()
+    cell.outputs = [nbformat.v4.new_output("display_data", data=data)]
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_markdown_cell("# Fixture"), cell]
+    nbformat.write(notebook, path)
+
+
+DECK = """---
+marp: true
+paginate: true
+---
+
+# Fixture deck title
+
+The first slide's text
+
+---
+
+## A figure from the notebook
+
+![w:300](figures/07_demo.png)
+"""
+
+
+@pytest.fixture
+def project(tmp_path):
+    """notebooks/07_fixture.ipynb with a `slide:demo` PNG cell, and slides/07_fixture.md."""
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "slides").mkdir()
+    png = tiny_png()
+    write_notebook(tmp_path / "notebooks" / "07_fixture.ipynb", "slide:demo", png)
+    (tmp_path / "slides" / "07_fixture.md").write_text(DECK)
+    return tmp_path, png
+
+
+def build(root: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BUILD), "--notebooks", str(root / "notebooks"),
+                           "--slides", str(root / "slides"), "--out", str(root / "out"), *extra],
+                          capture_output=True, text=True, timeout=300)
+
+
+def need_marp():
+    if not MARP.exists():
+        pytest.skip("Marp is not installed: run `npm ci --prefix slides` to build decks")
+    if shutil.which("node") is None:
+        pytest.skip("node is not on PATH: Marp cannot run")
+
+
+def find_chromium() -> str | None:
+    for candidate in (os.environ.get("CHROME_PATH"), "/usr/bin/chromium", shutil.which("chromium")):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    return None
+
+
+def test_html_deck_is_self_contained(project):
+    need_marp()
+    root, png = project
+    result = build(root)
+    assert result.returncode == 0, result.stderr
+    assert (root / "slides" / "figures" / "07_demo.png").read_bytes() == png
+    html_path = root / "out" / "07_fixture.html"
+    assert str(html_path) in result.stdout
+    html = html_path.read_text()
+    assert "Fixture deck title" in html and "first slide" in html
+    assert "data:image/png;base64," + base64.b64encode(png).decode()[:60] in html
+    assert "figures/07_demo.png" not in html, "the figure should be inlined, not referenced"
+    assert load_build_module().external_loads(html) == []
+    for tag in re.findall(r"<(?:script|link|img|iframe)\b[^>]*>", html):
+        assert "http" not in tag, tag
+
+
+def test_external_load_check_catches_cdn():
+    check = load_build_module().external_loads
+    assert check('<script src="https://cdn.example.com/x.js"></script>')
+    assert check('<link rel="stylesheet" href="//fonts.example.com/a.css">')
+    assert check("<style>@import url('https://fonts.googleapis.com/css?family=Lato');</style>")
+    assert check("<style>h1{background:url(http://example.com/a.png)}</style>")
+    assert not check('<a href="https://example.com">a link is not a load</a><img src="data:image/png;base64,AA">')
+
+
+def test_pdf_deck(project):
+    need_marp()
+    chromium = find_chromium()
+    if chromium is None:
+        pytest.skip("no Chromium (apt-get install chromium, or set CHROME_PATH): PDF not tested")
+    root, _ = project
+    result = build(root, "--pdf")
+    assert result.returncode == 0, result.stderr
+    pdf = root / "out" / "07_fixture.pdf"
+    assert pdf.read_bytes().startswith(b"%PDF")
+    assert pdf.stat().st_size > 1000
+
+
+def test_missing_figure_is_an_error(project):
+    root, _ = project
+    deck = root / "slides" / "07_fixture.md"
+    deck.write_text(DECK + "\n---\n\n![](figures/07_never_made.png)\n")
+    result = build(root)
+    assert result.returncode != 0
+    assert "07_never_made.png" in result.stderr and "07_fixture.md" in result.stderr
+    assert not (root / "out" / "07_fixture.html").exists()
+
+
+def test_tagged_cell_without_png_is_an_error(project):
+    root, _ = project
+    write_notebook(root / "notebooks" / "07_fixture.ipynb", "slide:demo", png=None)
+    result = build(root)
+    assert result.returncode != 0
+    assert "07_fixture.ipynb" in result.stderr and "slide:demo" in result.stderr
+    assert "image/png" in result.stderr
+
+
+def test_exercises_and_only_are_respected(project):
+    root, _ = project
+    (root / "notebooks" / "exercises").mkdir()
+    write_notebook(root / "notebooks" / "exercises" / "07_ex.ipynb", "slide:broken", png=None)
+    write_notebook(root / "notebooks" / "08_other.ipynb", "slide:broken", png=None)
+    module = load_build_module()
+    written = module.extract_figures(root / "notebooks", root / "slides" / "figures", {"07"})
+    assert [p.name for p in written] == ["07_demo.png"]
+
+
+def course_notebooks() -> list[Path]:
+    return sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+def test_every_notebook_has_a_deck():
+    notebooks = course_notebooks()
+    if not notebooks:
+        pytest.skip("no notebooks/NN_*.ipynb yet")
+    decks = {p.name[:2] for p in (REPO / "slides").glob("[0-9][0-9]_*.md")}
+    missing = [nb.name for nb in notebooks if nb.name[:2] not in decks]
+    assert not missing, f"notebooks without a slides/NN_*.md deck: {missing}"
+
+
+def test_deck_figures_match_notebook_tags():
+    """Every figures/NN_<name>.png a deck shows has a `slide:<name>` cell in notebook NN.
+
+    Reads tags only, so it catches a renamed tag without executing anything."""
+    notebooks = {nb.name[:2]: nb for nb in course_notebooks()}
+    if not notebooks:
+        pytest.skip("no notebooks/NN_*.ipynb yet")
+    problems = []
+    for deck in sorted((REPO / "slides").glob("[0-9][0-9]_*.md")):
+        for chapter, name in re.findall(r"figures/(\d\d)_([A-Za-z0-9_-]+)\.png", deck.read_text()):
+            if chapter not in notebooks:
+                continue
+            tags = {t for cell in nbformat.read(notebooks[chapter], as_version=4).cells
+                    for t in cell.get("metadata", {}).get("tags", [])}
+            if f"slide:{name}" not in tags:
+                problems.append(f"{deck.name} shows figures/{chapter}_{name}.png but "
+                                f"{notebooks[chapter].name} has no cell tagged slide:{name}")
+    assert not problems, "\n".join(problems)
