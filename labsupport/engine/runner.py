@@ -34,3 +34,19 @@ class ModelRunner:
         last = torch.tensor(meta.query_offsets[1:], device=self.device) - 1
         logits = self.model.logits(hidden[last])
         return self.sampler.sample(logits, batch.requests)
+
+
+@torch.inference_mode()
+def sequence_logits(model: LlamaForCausalLM, token_ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one sequence, computed from scratch: [len(token_ids), vocab].
+
+    This is the whole model as chapter 00 sees it: tokens in, one next-token distribution per
+    position out, nothing remembered between calls.
+    """
+    from .attention import RecomputeAttention
+
+    device = next(model.parameters()).device
+    n = len(token_ids)
+    hidden = model(torch.tensor(token_ids, device=device), torch.arange(n, device=device),
+                   RecomputeAttention(), AttentionBatch([n], [n]))
+    return model.logits(hidden)

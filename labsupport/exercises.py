@@ -1,0 +1,103 @@
+"""Exercise notebooks from the chapter notebooks: one source, two versions.
+
+A chapter notebook (``notebooks/NN_*.ipynb``) holds the reference solutions and is what CI
+executes. A code cell tagged ``exercise`` marks the attendee's part between two lines::
+
+    # BEGIN SOLUTION
+    ...reference code...
+    # END SOLUTION
+
+``python -m labsupport.exercises`` writes ``notebooks/exercises/NN_*.ipynb``: outputs cleared,
+each solution replaced by ``raise NotImplementedError(...)``, and the solution kept in a
+collapsed "Reveal the reference solution" cell right below, so nobody has to go looking for it.
+A test regenerates them and fails if the committed copies are stale.
+"""
+from __future__ import annotations
+
+import copy
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+
+BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
+STUB = 'raise NotImplementedError("Exercise: write this part, then run the check cell below")'
+
+
+def split_solution(source: str) -> tuple[str, str]:
+    """Return (student source, solution source) of an exercise cell."""
+    student, solution, inside, indent = [], [], False, ""
+    for line in source.splitlines():
+        stripped = line.strip()
+        if stripped == BEGIN:
+            if inside:
+                raise ValueError(f"nested {BEGIN}")
+            inside, indent = True, line[: len(line) - len(line.lstrip())]
+            student.append(f"{indent}# Your code here")
+            student.append(f"{indent}{STUB}")
+        elif stripped == END:
+            if not inside:
+                raise ValueError(f"{END} without {BEGIN}")
+            inside = False
+        elif inside:
+            solution.append(line)
+        else:
+            student.append(line)
+    if inside:
+        raise ValueError(f"{BEGIN} without {END}")
+    if not solution:
+        raise ValueError(f"an exercise cell needs a {BEGIN} ... {END} block")
+    return "\n".join(student), source
+
+
+def student_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    out = copy.deepcopy(nb)
+    cells = []
+    for cell in out.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+        if cell.cell_type == "code" and "exercise" in cell.metadata.get("tags", []):
+            student, solution = split_solution(cell.source)
+            cell.source = student
+            cells.append(cell)
+            reveal = ("<details><summary><b>Reveal the reference solution</b> (try first!)</summary>\n\n"
+                      f"```python\n{solution}\n```\n</details>")
+            cells.append(nbformat.v4.new_markdown_cell(reveal, metadata={"tags": ["solution"]}))
+        else:
+            cells.append(cell)
+    for c in cells:
+        c.pop("id", None)
+    out.cells = cells
+    return out
+
+
+def exercise_path(chapter: Path) -> Path:
+    return chapter.parent / "exercises" / chapter.name
+
+
+def render(chapter: Path) -> str:
+    nb = nbformat.read(chapter, as_version=4)
+    student = student_notebook(nb)
+    # stable cell ids so regenerating gives identical files
+    for i, cell in enumerate(student.cells):
+        cell["id"] = f"cell-{i:03d}"
+    return nbformat.writes(student) + "\n"
+
+
+def chapters(root: Path) -> list[Path]:
+    return sorted(p for p in (root / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+def main(argv=None) -> int:
+    root = Path(__file__).resolve().parent.parent
+    for chapter in chapters(root):
+        target = exercise_path(chapter)
+        target.parent.mkdir(exist_ok=True)
+        target.write_text(render(chapter))
+        print(f"wrote {target.relative_to(root)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
