@@ -1,0 +1,43 @@
+"""The attendee versions of the chapters are generated from the chapters and kept in sync."""
+import json
+
+import pytest
+
+from labsupport import exercises
+
+from notebook_tools import CHAPTERS, read
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_exercise_notebook_is_in_sync_with_its_chapter(path):
+    target = exercises.exercise_path(path)
+    assert target.exists(), f"run `make exercises` to create {target.name}"
+    assert target.read_text() == exercises.render(path), f"{target} is stale: run `make exercises`"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_every_chapter_has_an_exercise_with_a_revealable_solution(path):
+    tagged = [c for c in read(path).cells if "exercise" in c.metadata.get("tags", [])]
+    assert tagged, f"{path.name} has no cell tagged 'exercise'"
+    student = read(exercises.exercise_path(path))
+    for i, cell in enumerate(student.cells):
+        if "exercise" in cell.metadata.get("tags", []):
+            assert exercises.STUB in cell.source and exercises.BEGIN not in cell.source
+            reveal = student.cells[i + 1]
+            assert reveal.cell_type == "markdown" and "Reveal the reference solution" in reveal.source
+    assert all(not c.get("outputs") for c in student.cells if c.cell_type == "code")
+
+
+def test_solution_is_cut_out_and_kept_for_the_reveal():
+    src = "def f(x):\n    y = 1\n    # BEGIN SOLUTION\n    y = x * 2\n    # END SOLUTION\n    return y"
+    student, solution = exercises.split_solution(src)
+    assert "x * 2" not in student and "x * 2" in solution
+    assert "    raise NotImplementedError" in student  # indentation kept
+    assert student.rstrip().endswith("return y")
+
+
+@pytest.mark.parametrize("src", ["x = 1", "# BEGIN SOLUTION\nx = 1", "# END SOLUTION",
+                                 "# BEGIN SOLUTION\n# BEGIN SOLUTION\n# END SOLUTION"])
+def test_malformed_solution_markers_are_rejected(src):
+    with pytest.raises(ValueError):
+        exercises.split_solution(src)
