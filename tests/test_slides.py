@@ -202,3 +202,16 @@ def test_deck_figures_match_notebook_tags():
                 problems.append(f"{deck.name} shows figures/{chapter}_{name}.png but "
                                 f"{notebooks[chapter].name} has no cell tagged slide:{name}")
     assert not problems, "\n".join(problems)
+
+
+def test_course_decks_build_from_the_committed_notebooks(tmp_path):
+    """The real decks, with the figures the executed chapters really produced."""
+    need_marp()
+    extra = ["--pdf"] if find_chromium() else []
+    done = subprocess.run([sys.executable, str(BUILD), "--out", str(tmp_path), *extra],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    decks = sorted(p.stem for p in (BUILD.parent).glob("[0-9][0-9]_*.md"))
+    assert decks and all((tmp_path / f"{d}.html").exists() for d in decks)
+    if extra:
+        assert all((tmp_path / f"{d}.pdf").stat().st_size > 10_000 for d in decks)
