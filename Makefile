@@ -10,7 +10,7 @@ CHAPTERS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 NBVAL  := --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout 900
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab test setup model unit nbval slides slides-deps exercises execute clean
+.PHONY: lab test setup model unit nbval slides slides-deps browser-deps exercises execute clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,7 +29,7 @@ model: setup
 lab: model
 	$(BIN)/jupyter lab notebooks/ $(LAB_ARGS)
 
-test: model slides-deps unit nbval
+test: model slides-deps browser-deps unit nbval
 
 unit: model
 	$(BIN)/python -m pytest -q tests
@@ -37,9 +37,14 @@ unit: model
 nbval: model
 	$(BIN)/python -m pytest -q $(NBVAL) $(CHAPTERS)
 
+# Node packages: Marp for the decks, the widget JavaScript for browser tests (no CDN).
 slides-deps:
 	@if command -v npm >/dev/null; then npm ci --prefix slides --no-audit --no-fund --loglevel=error; \
 	else echo "npm not found: slide builds will be skipped by the tests"; fi
+
+browser-deps:
+	@if command -v npm >/dev/null; then npm ci --prefix tests/browser --no-audit --no-fund --loglevel=error; \
+	else echo "npm not found: browser widget tests will be skipped by the tests"; fi
 
 # Decks are built from the executed notebooks' own figures (commit executed notebooks first).
 slides: setup slides-deps
@@ -55,4 +60,4 @@ execute: model
 	$(BIN)/python -m labsupport.exercises
 
 clean:
-	rm -rf $(VENV) slides/node_modules slides/build slides/figures
+	rm -rf $(VENV) slides/node_modules slides/build slides/figures tests/browser/node_modules

@@ -4,14 +4,19 @@ The model computes q, k, v for the tokens of this forward pass and calls
 ``backend.attend(layer, q, k, v, batch)``. A backend decides what "the past" is:
 
 * ``RecomputeAttention`` (chapter 00) keeps nothing. Every step feeds the whole sequence
-  again, so generating token n costs a forward over n tokens: the waste chapter 01 removes.
+  again, so generating token n costs a forward over n tokens.
+* ``ContiguousAttention`` (chapter 01) keeps each request's K/V in its own tensor, reserved
+  up front for the longest the request may become. Each token is computed once.
+* ``PagedAttention`` (chapter 02, ``paged_attention.py``) keeps K/V in fixed-size blocks of
+  one shared pool, found through each request's block table.
 
-Later chapters add backends that keep K/V between steps (a contiguous cache, paged blocks);
-the model and the sampler never change.
+Each backend turns the scheduled requests into its own metadata (``prepare``) and is told when
+a request leaves (``free``); the model, runner and sampler never change.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +29,13 @@ class AttentionBatch:
     ``query_lens[i]`` tokens of sequence i are in this forward pass; ``context_lens[i]`` is the
     sequence's length once they are added (cached tokens + new ones). The new tokens are the
     last ``query_lens[i]`` positions of that context, which is what makes the mask causal.
+    ``extra`` carries backend-specific tensors (slot mapping, block tables).
     """
 
     query_lens: list[int]
     context_lens: list[int]
+    request_ids: list[str] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         offsets = [0]
@@ -41,8 +49,15 @@ class AttentionBackend:
 
     keeps_kv = False
 
+    def prepare(self, requests, num_new_tokens: list[int]) -> AttentionBatch:
+        return AttentionBatch(list(num_new_tokens), [r.num_computed_tokens + n for r, n in zip(requests, num_new_tokens)],
+                              [r.request_id for r in requests])
+
     def attend(self, layer: int, q, k, v, batch: AttentionBatch) -> torch.Tensor:
         raise NotImplementedError
+
+    def free(self, request):
+        """The request left: release whatever the backend holds for it."""
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -72,3 +87,70 @@ class RecomputeAttention(AttentionBackend):
             s, e = batch.query_offsets[i], batch.query_offsets[i + 1]
             out[s:e] = causal_attention(q[s:e], k[s:e], v[s:e])
         return out
+
+
+def cached_attention(cache_k, cache_v, start: int, q, k, v) -> torch.Tensor:
+    """Append n new tokens' K/V at ``start`` of one sequence's cache, then attend over the cache.
+
+    cache_k/v: [capacity, Hkv, D]; q: [n, H, D]; k/v: [n, Hkv, D] for positions start..start+n-1.
+    (Chapter 01's exercise writes this function; this is the engine's reference.)
+    """
+    n = q.shape[0]
+    cache_k[start:start + n] = k
+    cache_v[start:start + n] = v
+    return causal_attention(q, cache_k[:start + n], cache_v[:start + n])
+
+
+class ContiguousAttention(AttentionBackend):
+    """One contiguous K/V tensor per request and layer, reserved for the request's longest
+    possible length (prompt + max_tokens) when it first runs, released when it leaves.
+
+    ``attend_fn`` is the append-and-attend step for one sequence (``cached_attention`` or the
+    attendee's own). ``reserved_bytes`` counts what is reserved, ``used_bytes`` what holds tokens:
+    the gap is the waste chapter 02 removes.
+    """
+
+    keeps_kv = True
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype, device,
+                 max_model_len: int, attend_fn=cached_attention):
+        self.shape = (num_kv_heads, head_dim)
+        self.num_layers, self.dtype, self.device = num_layers, dtype, device
+        self.max_model_len, self.attend_fn = max_model_len, attend_fn
+        self.caches: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.lengths: dict[str, int] = {}
+
+    def prepare(self, requests, num_new_tokens):
+        batch = super().prepare(requests, num_new_tokens)
+        for req, ctx in zip(requests, batch.context_lens):
+            if req.request_id not in self.caches:
+                capacity = min(len(req.prompt_token_ids) + req.params.max_tokens, self.max_model_len)
+                self.caches[req.request_id] = [
+                    (torch.zeros(capacity, *self.shape, dtype=self.dtype, device=self.device),
+                     torch.zeros(capacity, *self.shape, dtype=self.dtype, device=self.device))
+                    for _ in range(self.num_layers)]
+            self.lengths[req.request_id] = ctx
+        return batch
+
+    def attend(self, layer, q, k, v, batch):
+        out = torch.empty_like(q)
+        for i, rid in enumerate(batch.request_ids):
+            s, e = batch.query_offsets[i], batch.query_offsets[i + 1]
+            cache_k, cache_v = self.caches[rid][layer]
+            out[s:e] = self.attend_fn(cache_k, cache_v, batch.context_lens[i] - (e - s), q[s:e], k[s:e], v[s:e])
+        return out
+
+    def free(self, request):
+        self.caches.pop(request.request_id, None)
+        self.lengths.pop(request.request_id, None)
+
+    def _bytes_per_token(self) -> int:
+        return 2 * self.num_layers * math.prod(self.shape) * torch.finfo(self.dtype).bits // 8
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(layers[0][0].shape[0] for layers in self.caches.values()) * self._bytes_per_token()
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self.lengths.values()) * self._bytes_per_token()

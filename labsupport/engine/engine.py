@@ -9,8 +9,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
 from ..models.loader import load_model, resolve_device
-from .attention import RecomputeAttention
+from .attention import ContiguousAttention, RecomputeAttention
+from .blocks import KVCacheManager, blocks_needed
+from .paged_attention import PagedAttention
 from .request import Request, RequestOutput, SamplingParams
 from .runner import ModelRunner
 from .scheduler import Scheduler
@@ -26,11 +30,17 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's own context length, at most 8192
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
+    kv_cache: str = "paged"  # "paged" (blocks, ch. 02), "contiguous" (per request, ch. 01), "none" (ch. 00)
+    block_size: int = 16
+    num_blocks: int | None = None  # default: as many as kv_cache_memory_bytes holds
+    kv_cache_memory_bytes: int | None = None  # default: 1 GiB on CPU, 90% of free GPU memory
     enable_prefix_caching: bool = False
     enable_chunked_prefill: bool = False
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        if self.kv_cache not in ("paged", "contiguous", "none"):
+            raise ValueError(f"kv_cache must be 'paged', 'contiguous' or 'none', got {self.kv_cache!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
@@ -47,10 +57,40 @@ class LLMEngine:
         limit = self.model.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or min(limit, 8192), limit)
         self.eos_token_ids = self._eos_token_ids()
-        self.backend = backend or RecomputeAttention()
+        self.kv = None
+        self.backend = backend or self._make_backend()
         self.runner = ModelRunner(self.model, self.backend, self.device)
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.kv)
         self.counters = {"prompt_tokens_computed": 0, "generation_tokens": 0, "num_steps": 0}
+
+    def _make_backend(self):
+        cfg, c = self.model.config, self.config
+        dtype = next(self.model.parameters()).dtype
+        if c.kv_cache == "none":
+            return RecomputeAttention()
+        if c.kv_cache == "contiguous":
+            return ContiguousAttention(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, self.device,
+                                       self.max_model_len)
+        num_blocks = c.num_blocks or self._blocks_in_budget(dtype)
+        self.kv = KVCacheManager(num_blocks, c.block_size)
+        return PagedAttention(cfg.num_layers, num_blocks, c.block_size, cfg.num_kv_heads, cfg.head_dim,
+                              dtype, self.device)
+
+    def _blocks_in_budget(self, dtype) -> int:
+        cfg = self.model.config
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None:
+            budget = int(0.9 * torch.cuda.mem_get_info()[0]) if self.device.type == "cuda" else 1 << 30
+        per_block = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize * self.config.block_size
+        if budget < per_block:
+            raise ValueError(f"kv_cache_memory_bytes={budget} holds no block of {per_block} bytes")
+        return budget // per_block
+
+    def use_block_allocator(self, allocator):
+        """Swap in another block allocator (chapter 02's exercise) while the engine is idle."""
+        if self.kv is None or self.has_unfinished_requests():
+            raise ValueError("the engine must be idle and use kv_cache='paged'")
+        self.kv.allocator = allocator
 
     def _eos_token_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
@@ -68,6 +108,9 @@ class LLMEngine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is "
                              f"{self.max_model_len}: shorten the prompt or raise max_model_len")
+        if self.kv is not None and blocks_needed(len(prompt_token_ids) + 1, self.kv.block_size) > self.kv.num_blocks:
+            raise ValueError(f"the prompt needs more KV blocks than the pool has ({self.kv.num_blocks}): "
+                             "raise num_blocks or kv_cache_memory_bytes, or shorten the prompt")
         vocab = self.model.config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
@@ -88,12 +131,14 @@ class LLMEngine:
         self.counters["num_steps"] += 1
         touched = []
         for req, n, token in zip(batch.requests, batch.num_new_tokens, tokens):
+            done_feeding = req.num_computed_tokens + n == req.num_tokens
             # prompt tokens that went through the model this step (recompute counts them every step)
             start = req.num_computed_tokens
             self.counters["prompt_tokens_computed"] += max(0, min(len(req.prompt_token_ids), start + n) - start)
             req.num_computed_tokens = req.num_computed_tokens + n if self.backend.keeps_kv else 0
-            self._append_token(req, token, now)
-            touched.append(req)
+            if done_feeding:  # a partial prompt chunk samples nothing
+                self._append_token(req, token, now)
+                touched.append(req)
         return touched
 
     def _append_token(self, req: Request, token: int, now: float):
@@ -113,15 +158,18 @@ class LLMEngine:
             reason = "length"
         if reason:
             req.metrics.finished_time = now
-            self.scheduler.finish(req, reason)
-            self.runner.sampler.release(req)
+            self._release(req, reason)
+
+    def _release(self, req: Request, reason: str):
+        self.scheduler.finish(req, reason)  # frees its KV blocks
+        self.backend.free(req)
+        self.runner.sampler.release(req)
 
     def abort(self, req: Request):
         """Drop a request (a client went away): it leaves the queues and frees what it held."""
         if not req.is_finished:
             req.metrics.finished_time = time.perf_counter()
-            self.scheduler.finish(req, "abort")
-            self.runner.sampler.release(req)
+            self._release(req, "abort")
 
     @staticmethod
     def output(req: Request) -> RequestOutput:
@@ -129,7 +177,11 @@ class LLMEngine:
                              list(req.output_token_ids), req.finish_reason, req.metrics)
 
     def stats(self) -> dict:
+        kv = {"kv_blocks_total": self.kv.num_blocks, "kv_blocks_free": self.kv.allocator.num_free,
+              "block_size": self.kv.block_size} if self.kv else {}
         return {
+            **kv,
+            "num_preemptions": self.scheduler.num_preemptions,
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
             **self.counters,

@@ -91,6 +91,8 @@ class Request:
         self.params = params
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.block_table: list[int] = []  # paged KV: the pool blocks holding this request's tokens
+        self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.text = ""
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())

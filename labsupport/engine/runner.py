@@ -21,13 +21,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int]:
-        token_ids, positions, context_lens = [], [], []
+        token_ids, positions = [], []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
             token_ids += req.all_token_ids[start:start + n]
             positions += range(start, start + n)
-            context_lens.append(start + n)
-        meta = AttentionBatch(query_lens=list(batch.num_new_tokens), context_lens=context_lens)
+        meta = self.backend.prepare(batch.requests, batch.num_new_tokens)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, self.backend, meta)

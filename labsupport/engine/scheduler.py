@@ -3,8 +3,10 @@
 One rule, as in vLLM's v1 scheduler: a request needs ``num_tokens - num_computed_tokens``
 tokens fed to catch up. Running requests go first (they hold memory and users are waiting on
 their next token), then waiting requests are admitted in arrival order while the batch has
-room (``max_num_seqs`` sequences, ``max_num_batched_tokens`` tokens). Chapters 02-05 add
-blocks, preemption and chunking to this same loop.
+room: ``max_num_seqs`` sequences, ``max_num_batched_tokens`` tokens and, with paged KV, free
+blocks. When a running request needs a block and none is free, the most recently arrived
+running request is preempted by recompute: its blocks are freed and it goes back to the front
+of the queue, to be recomputed later. Nothing crashes and nobody waits forever.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from .blocks import KVCacheManager
 from .request import Request, RequestStatus
 
 
@@ -29,11 +32,13 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, kv: KVCacheManager | None = None):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0
 
     def add(self, req: Request):
         self.waiting.append(req)
@@ -41,29 +46,56 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _fits(self, req: Request, n: int) -> bool:
+        return self.kv is None or self.kv.can_allocate(req, n)
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [])
         budget = self.max_num_batched_tokens
-        for req in self.running:
+        for req in list(self.running):
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
             need = req.num_tokens - req.num_computed_tokens
             if need > budget and batch:
                 break  # the rest run next step
-            batch.requests.append(req)
-            batch.num_new_tokens.append(need)
+            while not self._fits(req, need):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            self._take(batch, req, need)
             budget -= need
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             need = req.num_tokens - req.num_computed_tokens
-            if need > budget and batch:
+            if (need > budget and batch) or not self._fits(req, need):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or time.perf_counter()
             self.running.append(req)
-            batch.requests.append(req)
-            batch.num_new_tokens.append(need)
+            self._take(batch, req, need)
             budget -= need
         return batch
+
+    def _take(self, batch: ScheduledBatch, req: Request, need: int):
+        if self.kv is not None:
+            self.kv.allocate(req, need)
+        batch.requests.append(req)
+        batch.num_new_tokens.append(need)
+
+    def preempt(self, req: Request):
+        """Recompute preemption: drop the request's KV, requeue it first; its tokens so far are kept."""
+        self.running.remove(req)
+        if self.kv is not None:
+            self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
 
     def finish(self, req: Request, reason: str):
         req.status = RequestStatus.FINISHED
@@ -72,3 +104,5 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if self.kv is not None:
+            self.kv.free(req)

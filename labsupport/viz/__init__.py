@@ -1,0 +1,1 @@
+"""Notebook visualisations of the engine's state (ipywidgets views used by the chapters)."""
