@@ -64,3 +64,103 @@ def check_greedy_generate(greedy_generate, llm, max_new_tokens: int = 12):
         if calls and calls[0] != ids:
             raise CheckFailed("the first call to logits_of must see the whole prompt")
     passed(f"greedy_generate equals the engine's greedy tokens on {len(cases)} prompts, EOS included")
+
+
+# ---------------------------------------------------------------- chapter 01: KV cache
+
+def check_cached_attention(cached_attention):
+    """``cached_attention(cache_k, cache_v, start, q, k, v)`` appends and attends like the engine's."""
+    import torch
+
+    from .engine.attention import causal_attention
+
+    gen = torch.Generator().manual_seed(0)
+    cases = [  # (heads, kv heads, head dim, tokens already cached, new tokens)
+        (4, 4, 8, 0, 5, "prefill into an empty cache (MHA)"),
+        (6, 2, 8, 0, 7, "prefill with grouped-query attention (3 query heads per KV head)"),
+        (6, 2, 8, 9, 1, "one decode step after 9 cached tokens"),
+        (6, 3, 16, 4, 3, "3 new tokens after 4 cached ones (the causal mask needs the offset)"),
+    ]
+    for heads, kv_heads, dim, start, n, what in cases:
+        cap = start + n + 6
+        full_k = torch.randn(start + n, kv_heads, dim, generator=gen)
+        full_v = torch.randn(start + n, kv_heads, dim, generator=gen)
+        q = torch.randn(n, heads, dim, generator=gen)
+        cache_k = torch.zeros(cap, kv_heads, dim)
+        cache_v = torch.zeros(cap, kv_heads, dim)
+        cache_k[:start], cache_v[:start] = full_k[:start], full_v[:start]
+        sentinel = 1234.5
+        cache_k[start + n:], cache_v[start + n:] = sentinel, sentinel
+        out = cached_attention(cache_k, cache_v, start, q.clone(), full_k[start:].clone(), full_v[start:].clone())
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (n, heads, dim):
+            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise CheckFailed(f"{what}: expected an output of shape {(n, heads, dim)}, got {shape}")
+        if not torch.equal(cache_k[:start + n], full_k) or not torch.equal(cache_v[:start + n], full_v):
+            raise CheckFailed(f"{what}: the new keys/values must be written to cache[start:start + n] "
+                              "(and the cached ones left alone)")
+        if (cache_k[start + n:] != sentinel).any() or (cache_v[start + n:] != sentinel).any():
+            raise CheckFailed(f"{what}: you wrote past position start + n - 1 of the cache")
+        want = causal_attention(q, full_k, full_v)
+        if not torch.allclose(out, want, atol=1e-4, rtol=1e-4):
+            err = (out - want).abs().max().item()
+            raise CheckFailed(f"{what}: attention output differs from the reference (max abs diff {err:.3g}). "
+                              "Hints: scale scores by 1/sqrt(head_dim); query i sits at position start + i and "
+                              "may see keys 0..start + i; attend only to cache[:start + n]; repeat each KV head "
+                              "for its group of query heads")
+    passed(f"cached_attention appends and attends correctly in {len(cases)} cases (MHA, GQA, prefill, decode)")
+
+
+# ---------------------------------------------------------------- chapter 02: PagedAttention
+
+def check_slot_mapping(slot_mapping):
+    """``slot_mapping(block_table, start, n, block_size)`` -> pool slot of each of the n tokens."""
+    from .engine.blocks import slot_mapping as reference
+
+    cases = [([0], 0, 3, 4), ([5, 2], 0, 8, 4), ([5, 2, 9], 3, 6, 4), ([7, 1], 15, 1, 16), ([3, 8, 4], 31, 2, 16),
+             ([2, 6], 4, 1, 4)]
+    for table, start, n, bs in cases:
+        got, want = slot_mapping(list(table), start, n, bs), reference(table, start, n, bs)
+        if list(got) != want:
+            raise CheckFailed(f"slot_mapping({table}, start={start}, n={n}, block_size={bs}): "
+                              f"{first_difference(list(got), want)} (hint: token p lives in block "
+                              f"table[p // block_size] at offset p % block_size)")
+    passed(f"slot_mapping is right in {len(cases)} cases, block boundaries included")
+
+
+def check_block_allocator(allocator_cls):
+    """An allocator with ``allocate() -> block`` and ``free(block)``, ref counts, and errors on misuse."""
+    alloc = allocator_cls(4)
+    got = [alloc.allocate() for _ in range(4)]
+    if sorted(got) != [0, 1, 2, 3]:
+        raise CheckFailed(f"allocating all 4 blocks gave {got}: each block must be handed out exactly once")
+    if alloc.num_free != 0:
+        raise CheckFailed(f"after allocating every block num_free should be 0, not {alloc.num_free}")
+    try:
+        alloc.allocate()
+    except MemoryError:
+        pass
+    else:
+        raise CheckFailed("allocate() on an empty pool must raise MemoryError (never hand out a used block)")
+    alloc.free(got[2])
+    if alloc.num_free != 1 or alloc.allocate() != got[2]:
+        raise CheckFailed("a freed block must go back to the free list and be allocatable again")
+    alloc.share(got[0])
+    alloc.free(got[0])
+    if alloc.num_free != 0:
+        raise CheckFailed("a shared block (ref count 2) freed once is still in use: it must not be free yet")
+    alloc.free(got[0])
+    if alloc.num_free != 1:
+        raise CheckFailed("freeing the last reference must return the block (leak)")
+    try:
+        alloc.free(got[0])
+    except ValueError:
+        pass
+    else:
+        raise CheckFailed("freeing a free block must raise ValueError: a double free would let two "
+                          "sequences write the same memory")
+    for b in (got[1], got[2], got[3]):
+        alloc.free(b)
+    if alloc.num_free != 4 or any(alloc.ref_counts):
+        raise CheckFailed(f"after freeing everything, all 4 blocks must be free with ref count 0 "
+                          f"(num_free={alloc.num_free}, ref_counts={list(alloc.ref_counts)})")
+    passed("the allocator hands out each block once, counts references, and refuses exhaustion and double frees")

@@ -13,7 +13,10 @@ def read(path):
 
 def exercise_solutions(path) -> dict:
     """Execute every ``exercise`` cell of a chapter (the reference solutions) and return its names."""
-    namespace = {}
+    import math
+
+    import torch
+    namespace = {"torch": torch, "math": math}  # what every chapter's set-up cell imports
     for cell in read(path).cells:
         if cell.cell_type == "code" and "exercise" in cell.metadata.get("tags", []):
             exec(cell.source, namespace)

@@ -94,3 +94,158 @@ def returns_tensors(logits_of, prompt_ids, max_new_tokens, eos_id):
 def test_planted_wrong_greedy_generate_fails(wrong, llm):
     with pytest.raises(checks.CheckFailed):
         checks.check_greedy_generate(wrong, llm)
+
+
+# ---------------------------------------------------------------- chapter 01
+
+@pytest.fixture(scope="module")
+def reference_cached_attention():
+    return exercise_solutions(chapter("01"))["cached_attention"]
+
+
+def test_reference_cached_attention_passes(reference_cached_attention):
+    checks.check_cached_attention(reference_cached_attention)
+
+
+def _attention(q, keys, values, start, *, scale=True, offset=True, causal=True):
+    n, group = q.shape[0], q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, keys) / (q.shape[-1] ** 0.5 if scale else 1)
+    qpos = (start if offset else 0) + torch.arange(n)[:, None]
+    if causal:
+        scores = scores.masked_fill(torch.arange(keys.shape[0])[None, :] > qpos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+
+
+def no_scaling(ck, cv, start, q, k, v):
+    n = q.shape[0]; ck[start:start + n] = k; cv[start:start + n] = v
+    return _attention(q, ck[:start + n], cv[:start + n], start, scale=False)
+
+
+def mask_without_offset(ck, cv, start, q, k, v):
+    n = q.shape[0]; ck[start:start + n] = k; cv[start:start + n] = v
+    return _attention(q, ck[:start + n], cv[:start + n], start, offset=False)
+
+
+def writes_at_the_front(ck, cv, start, q, k, v):
+    n = q.shape[0]; ck[:n] = k; cv[:n] = v
+    return _attention(q, ck[:start + n], cv[:start + n], start)
+
+
+def attends_before_appending(ck, cv, start, q, k, v):
+    n = q.shape[0]
+    out = _attention(q, ck[:start + n].clone(), cv[:start + n].clone(), start)
+    ck[start:start + n] = k; cv[start:start + n] = v
+    return out
+
+
+def ignores_the_cache(ck, cv, start, q, k, v):
+    n = q.shape[0]; ck[start:start + n] = k; cv[start:start + n] = v
+    return _attention(q, k, v, 0)
+
+
+def no_causal_mask(ck, cv, start, q, k, v):
+    n = q.shape[0]; ck[start:start + n] = k; cv[start:start + n] = v
+    return _attention(q, ck[:start + n], cv[:start + n], start, causal=False)
+
+
+@pytest.mark.parametrize("wrong", [no_scaling, mask_without_offset, writes_at_the_front, attends_before_appending,
+                                   ignores_the_cache, no_causal_mask])
+def test_planted_wrong_cached_attention_fails(wrong):
+    with pytest.raises(checks.CheckFailed):
+        checks.check_cached_attention(wrong)
+
+
+# ---------------------------------------------------------------- chapter 02
+
+def test_reference_slot_mapping_and_allocator_pass():
+    solutions = exercise_solutions(chapter("02"))
+    slot_fn = next(v for k, v in solutions.items() if k == "slot_mapping")
+    alloc_cls = next(v for k, v in solutions.items() if isinstance(v, type) and "Allocator" in k)
+    checks.check_slot_mapping(slot_fn)
+    checks.check_block_allocator(alloc_cls)
+
+
+@pytest.mark.parametrize("wrong", [
+    lambda table, start, n, bs: [table[p // bs] * bs + p % bs for p in range(start, start + n - 1)],   # one short
+    lambda table, start, n, bs: [table[p // bs] * bs + p % bs for p in range(start + 1, start + n + 1)],  # off by one
+    lambda table, start, n, bs: [table[p // bs] + p % bs for p in range(start, start + n)],            # block not scaled
+    lambda table, start, n, bs: list(range(start, start + n)),                                         # ignores the table
+    lambda table, start, n, bs: [(p // bs) * bs + p % bs for p in range(start, start + n)],            # logical blocks
+])
+def test_planted_wrong_slot_mapping_fails(wrong):
+    with pytest.raises(checks.CheckFailed):
+        checks.check_slot_mapping(wrong)
+
+
+class _Base:
+    def __init__(self, num_blocks):
+        self.num_blocks = num_blocks
+        self.free_blocks = list(range(num_blocks))
+        self.ref_counts = [0] * num_blocks
+
+    @property
+    def num_free(self):
+        return len(self.free_blocks)
+
+    def share(self, block):
+        self.ref_counts[block] += 1
+
+
+class NoDoubleFreeCheck(_Base):
+    def allocate(self):
+        if not self.free_blocks:
+            raise MemoryError
+        b = self.free_blocks.pop(0); self.ref_counts[b] = 1; return b
+
+    def free(self, block):
+        self.ref_counts[block] = max(0, self.ref_counts[block] - 1)
+        if self.ref_counts[block] == 0 and block not in self.free_blocks:
+            self.free_blocks.append(block)
+
+
+class IgnoresRefCounts(_Base):
+    def allocate(self):
+        if not self.free_blocks:
+            raise MemoryError
+        b = self.free_blocks.pop(0); self.ref_counts[b] = 1; return b
+
+    def free(self, block):
+        if block in self.free_blocks:
+            raise ValueError("double free")
+        self.ref_counts[block] = 0
+        self.free_blocks.append(block)
+
+
+class Leaks(_Base):
+    def allocate(self):
+        if not self.free_blocks:
+            raise MemoryError
+        b = self.free_blocks.pop(0); self.ref_counts[b] = 1; return b
+
+    def free(self, block):
+        if self.ref_counts[block] <= 0:
+            raise ValueError("double free")
+        self.ref_counts[block] -= 1  # never returns the block to the free list
+
+
+class HandsOutUsedBlocks(_Base):
+    def allocate(self):
+        b = self.free_blocks[0] if self.free_blocks else 0
+        if self.free_blocks:
+            self.free_blocks.pop(0)
+        self.ref_counts[b] = 1
+        return b
+
+    def free(self, block):
+        if self.ref_counts[block] <= 0:
+            raise ValueError("double free")
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_blocks.append(block)
+
+
+@pytest.mark.parametrize("wrong", [NoDoubleFreeCheck, IgnoresRefCounts, Leaks, HandsOutUsedBlocks])
+def test_planted_wrong_allocator_fails(wrong):
+    with pytest.raises(checks.CheckFailed):
+        checks.check_block_allocator(wrong)
