@@ -164,3 +164,46 @@ def check_block_allocator(allocator_cls):
         raise CheckFailed(f"after freeing everything, all 4 blocks must be free with ref count 0 "
                           f"(num_free={alloc.num_free}, ref_counts={list(alloc.ref_counts)})")
     passed("the allocator hands out each block once, counts references, and refuses exhaustion and double frees")
+
+
+# ---------------------------------------------------------------- chapter 03: prefix cache
+
+def check_chain_hashes(chain_hashes):
+    """``chain_hashes(token_ids, block_size, salt) -> list of bytes``: one chained hash per full block."""
+    from .engine.prefix_cache import chain_hashes as reference
+
+    tokens = list(range(100, 150))
+    cases = [(tokens, 16, None), (tokens, 16, "tenant-a"), (tokens[:32], 16, None), (tokens[:15], 16, None),
+             (tokens, 4, "t")]
+    for toks, bs, salt in cases:
+        got, want = chain_hashes(list(toks), bs, salt), reference(toks, bs, salt)
+        if len(got) != len(want):
+            raise CheckFailed(f"{len(toks)} tokens in blocks of {bs}: expected {len(want)} hashes (full blocks only: "
+                              f"a partial block is still being written), got {len(got)}")
+        if got != want:
+            raise CheckFailed(f"{len(toks)} tokens, block_size={bs}, salt={salt!r}: hash of block "
+                              f"{next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)} differs. "
+                              "Hint: hash_block(parent, block_tokens, salt) with parent = the previous block's "
+                              "hash (None for the first block)")
+    # the properties the chain exists for, stated on their own
+    a = chain_hashes([1] * 8 + [2] * 8, 8, None)
+    b = chain_hashes([3] * 8 + [2] * 8, 8, None)
+    if a[1] == b[1]:
+        raise CheckFailed("the same block after different prefixes got the same hash: chain in the parent's hash")
+    if chain_hashes([1] * 8, 8, "x") == chain_hashes([1] * 8, 8, "y"):
+        raise CheckFailed("different cache_salt values gave the same hash: tenants would share KV")
+    passed("chain_hashes hashes full blocks only, chained on the parent and the salt")
+
+
+def check_longest_prefix(longest_prefix):
+    """``longest_prefix(hashes, lookup) -> blocks`` of the leading hashes that ``lookup(i, h)`` finds."""
+    table = {b"h0": 7, b"h1": 3, b"h3": 9}
+    cases = [([b"h0", b"h1", b"h2", b"h3"], [7, 3]), ([b"h2", b"h0"], []), ([b"h0"], [7]), ([], []),
+             ([b"h0", b"h1", b"h3"], [7, 3, 9])]
+    for hashes, want in cases:
+        got = list(longest_prefix(list(hashes), lambda i, h: table.get(h)))
+        if got != want:
+            raise CheckFailed(f"hashes {[h.decode() for h in hashes]} with cached {sorted(k.decode() for k in table)}: "
+                              f"expected blocks {want}, got {got}. Stop at the first miss: a block's KV is only "
+                              "valid after exactly the blocks before it")
+    passed("longest_prefix returns the cached blocks of the leading hashes and stops at the first miss")

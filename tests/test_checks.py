@@ -249,3 +249,57 @@ class HandsOutUsedBlocks(_Base):
 def test_planted_wrong_allocator_fails(wrong):
     with pytest.raises(checks.CheckFailed):
         checks.check_block_allocator(wrong)
+
+
+# ---------------------------------------------------------------- chapter 03
+
+from labsupport.engine.prefix_cache import hash_block  # noqa: E402
+
+
+def test_reference_prefix_cache_solutions_pass():
+    solutions = exercise_solutions(chapter("03"))
+    checks.check_chain_hashes(solutions["chain_hashes"])
+    checks.check_longest_prefix(solutions["longest_prefix"])
+
+
+def ignores_parent(tokens, bs, salt=None):
+    return [hash_block(None, tokens[i * bs:(i + 1) * bs], salt) for i in range(len(tokens) // bs)]
+
+
+def ignores_salt(tokens, bs, salt=None):
+    out, parent = [], None
+    for i in range(len(tokens) // bs):
+        parent = hash_block(parent, tokens[i * bs:(i + 1) * bs]); out.append(parent)
+    return out
+
+
+def hashes_partial_block(tokens, bs, salt=None):
+    out, parent = [], None
+    for i in range(-(-len(tokens) // bs)):
+        parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], salt); out.append(parent)
+    return out
+
+
+@pytest.mark.parametrize("wrong", [ignores_parent, ignores_salt, hashes_partial_block])
+def test_planted_wrong_chain_hashes_fails(wrong):
+    with pytest.raises(checks.CheckFailed):
+        checks.check_chain_hashes(wrong)
+
+
+def skips_misses(hashes, lookup):
+    return [b for i, h in enumerate(hashes) if (b := lookup(i, h)) is not None]
+
+
+def stops_one_early(hashes, lookup):
+    found = []
+    for i, h in enumerate(hashes[:-1]):
+        if (b := lookup(i, h)) is None:
+            break
+        found.append(b)
+    return found
+
+
+@pytest.mark.parametrize("wrong", [skips_misses, stops_one_early])
+def test_planted_wrong_longest_prefix_fails(wrong):
+    with pytest.raises(checks.CheckFailed):
+        checks.check_longest_prefix(wrong)

@@ -94,3 +94,25 @@ def test_client_disconnecting_mid_stream_aborts_its_request(llm, server):
 def test_models_and_health(server):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == "smol"
+
+
+def test_server_result_cache_respects_tenants_and_bypass():
+    from labsupport import LLM
+    cached = LLM(device="cpu", enable_prefix_caching=True, enable_result_cache=True)
+    body = {"model": "smol", "messages": QUESTION, "max_tokens": 8, "temperature": 0}
+    with BackgroundServer(create_app(cached, "smol")) as srv:
+        url = srv.url + "/v1/chat/completions"
+        first = httpx.post(url, json={**body, "cache_salt": "a"}, timeout=60).json()
+        assert cached.stats()["result_cache_hits"] == 0
+        again = httpx.post(url, json={**body, "cache_salt": "a"}, timeout=60).json()
+        assert cached.stats()["result_cache_hits"] == 1
+        assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+        httpx.post(url, json={**body, "cache_salt": "b"}, timeout=60)  # another tenant: no reuse
+        httpx.post(url, json={**body, "cache_salt": "a", "skip_result_cache": True}, timeout=60)
+        assert cached.stats()["result_cache_hits"] == 1
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
+        chunks = list(client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=8, temperature=0,
+                                                     stream=True, extra_body={"cache_salt": "a"}))
+        assert cached.stats()["result_cache_hits"] == 2
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+            first["choices"][0]["message"]["content"]

@@ -15,6 +15,7 @@ from ..models.loader import load_model, resolve_device
 from .attention import ContiguousAttention, RecomputeAttention
 from .blocks import KVCacheManager, blocks_needed
 from .paged_attention import PagedAttention
+from .prefix_cache import CPUTier
 from .request import Request, RequestOutput, SamplingParams
 from .runner import ModelRunner
 from .scheduler import Scheduler
@@ -35,6 +36,7 @@ class EngineConfig:
     num_blocks: int | None = None  # default: as many as kv_cache_memory_bytes holds
     kv_cache_memory_bytes: int | None = None  # default: 1 GiB on CPU, 90% of free GPU memory
     enable_prefix_caching: bool = False
+    cpu_offload_blocks: int = 0  # CPU tier for blocks evicted from the pool (needs prefix caching)
     enable_chunked_prefill: bool = False
 
     def __post_init__(self):
@@ -43,10 +45,12 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
-            if getattr(self, name):
-                raise ValueError(f"{name}=True needs the paged KV engine of chapters 03-05, "
-                                 "which this version does not have yet")
+        if self.enable_chunked_prefill:
+            raise ValueError("enable_chunked_prefill=True arrives with chapter 05; this version does not have it yet")
+        if (self.enable_prefix_caching or self.cpu_offload_blocks) and self.kv_cache != "paged":
+            raise ValueError("prefix caching and the CPU tier need kv_cache='paged'")
+        if self.cpu_offload_blocks and not self.enable_prefix_caching:
+            raise ValueError("cpu_offload_blocks needs enable_prefix_caching=True: the CPU tier holds cached blocks")
 
 
 class LLMEngine:
@@ -72,9 +76,13 @@ class LLMEngine:
             return ContiguousAttention(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, self.device,
                                        self.max_model_len)
         num_blocks = c.num_blocks or self._blocks_in_budget(dtype)
-        self.kv = KVCacheManager(num_blocks, c.block_size)
-        return PagedAttention(cfg.num_layers, num_blocks, c.block_size, cfg.num_kv_heads, cfg.head_dim,
-                              dtype, self.device)
+        backend = PagedAttention(cfg.num_layers, num_blocks, c.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                 dtype, self.device)
+        cpu_tier = (CPUTier(c.cpu_offload_blocks, backend.k_pool, backend.v_pool, c.block_size)
+                    if c.cpu_offload_blocks else None)
+        self.kv = KVCacheManager(num_blocks, c.block_size, enable_prefix_caching=c.enable_prefix_caching,
+                                 cpu_tier=cpu_tier)
+        return backend
 
     def _blocks_in_budget(self, dtype) -> int:
         cfg = self.model.config
@@ -102,7 +110,8 @@ class LLMEngine:
         return ids
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, prompt: str | None = None) -> Request:
+                    request_id: str | None = None, prompt: str | None = None,
+                    cache_salt: str | None = None) -> Request:
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: give at least one token of text")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -114,7 +123,7 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        req = Request(prompt_token_ids, params, request_id, prompt)
+        req = Request(prompt_token_ids, params, request_id, prompt, cache_salt)
         self.scheduler.add(req)
         return req
 
@@ -136,6 +145,8 @@ class LLMEngine:
             start = req.num_computed_tokens
             self.counters["prompt_tokens_computed"] += max(0, min(len(req.prompt_token_ids), start + n) - start)
             req.num_computed_tokens = req.num_computed_tokens + n if self.backend.keeps_kv else 0
+            if self.kv is not None:
+                self.kv.cache_full_blocks(req)
             if done_feeding:  # a partial prompt chunk samples nothing
                 self._append_token(req, token, now)
                 touched.append(req)
@@ -178,7 +189,8 @@ class LLMEngine:
 
     def stats(self) -> dict:
         kv = {"kv_blocks_total": self.kv.num_blocks, "kv_blocks_free": self.kv.allocator.num_free,
-              "block_size": self.kv.block_size} if self.kv else {}
+              "block_size": self.kv.block_size, **self.kv.counters,
+              "cpu_tier_blocks": len(self.kv.cpu_tier) if self.kv.cpu_tier else 0} if self.kv else {}
         return {
             **kv,
             "num_preemptions": self.scheduler.num_preemptions,

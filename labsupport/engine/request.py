@@ -83,7 +83,7 @@ _ids = itertools.count()
 
 class Request:
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                 prompt: str | None = None):
+                 prompt: str | None = None, cache_salt: str | None = None):
         self.request_id = request_id if request_id is not None else str(next(_ids))
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -92,6 +92,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []  # paged KV: the pool blocks holding this request's tokens
+        self.block_hashes: list[bytes] = []  # prefix cache: chained hashes of its full blocks
+        self.cache_salt = cache_salt  # tenant: requests with different salts share no cached KV
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.text = ""
@@ -125,6 +127,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None
     metrics: RequestMetrics
+    cached: bool = False  # served from the result cache, without running the model
 
     @property
     def finished(self) -> bool:

@@ -4,7 +4,8 @@ One rule, as in vLLM's v1 scheduler: a request needs ``num_tokens - num_computed
 tokens fed to catch up. Running requests go first (they hold memory and users are waiting on
 their next token), then waiting requests are admitted in arrival order while the batch has
 room: ``max_num_seqs`` sequences, ``max_num_batched_tokens`` tokens and, with paged KV, free
-blocks. When a running request needs a block and none is free, the most recently arrived
+blocks (after reusing whatever prefix the cache already holds). When a running request needs a
+block and none is free, the most recently arrived
 running request is preempted by recompute: its blocks are freed and it goes back to the front
 of the queue, to be recomputed later. Nothing crashes and nobody waits forever.
 """
@@ -69,9 +70,13 @@ class Scheduler:
             budget -= need
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            need = req.num_tokens - req.num_computed_tokens
-            if (need > budget and batch) or not self._fits(req, need):
+            hit = self.kv.match(req) if self.kv is not None else None  # prefix-cache reuse, if any
+            need = req.num_tokens - (hit.num_blocks() * self.kv.block_size if hit else 0)
+            if (need > budget and batch) or (hit is not None and not self.kv.can_admit(req, hit)):
                 break  # FCFS: nobody overtakes the head of the queue
+            if hit is not None:
+                self.kv.admit(req, hit)
+                need = req.num_tokens - req.num_computed_tokens
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or time.perf_counter()

@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..engine.request import SamplingParams
 from ..llm import LLM
+from .result_cache import is_deterministic, result_key
 
 
 class Message(BaseModel):
@@ -46,6 +47,8 @@ class CompletionParams(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=1)
+    cache_salt: str | None = None  # tenant: no cached KV or results are shared across salts (as in vLLM)
+    skip_result_cache: bool = False  # bypass the result cache for this request
 
     def sampling_params(self) -> SamplingParams:
         limit = next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None), 256)
@@ -106,9 +109,9 @@ def create_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
             raise APIError(400, str(exc)) from exc
         return ids, text, params
 
-    def run(ids, text, params, on_token=None):
+    def run(ids, text, params, on_token=None, salt=None):
         with lock:
-            req = llm.engine.add_request(ids, params, prompt=text)
+            req = llm.engine.add_request(ids, params, prompt=text, cache_salt=salt)
             try:
                 while not req.is_finished:
                     llm.engine.step()
@@ -118,8 +121,8 @@ def create_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
                 llm.engine.abort(req)
             return req
 
-    def usage(req):
-        p, c = len(req.prompt_token_ids), len(req.output_token_ids)
+    def usage(out):
+        p, c = len(out.prompt_token_ids), len(out.token_ids)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     async def respond(req_body: CompletionParams, prompt, chat: bool, http: HTTPRequest):
@@ -127,14 +130,44 @@ def create_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
-        if not req_body.stream:
-            req = await run_in_threadpool(run, ids, text, params)
+        cache = llm.result_cache if not req_body.skip_result_cache and is_deterministic(params) else None
+        key = result_key(name, ids, params, req_body.cache_salt) if cache is not None else None
+        if not req_body.stream or (cache is not None and key in cache.entries):
+            req = cache.get(key) if cache is not None else None
+            if req is None:
+                req = llm.engine.output(await run_in_threadpool(run, ids, text, params, None, req_body.cache_salt))
+                if cache is not None and req.finish_reason in ("stop", "length"):
+                    cache.put(key, req)
+            if req_body.stream:  # a cached answer streams as one chunk
+                return EventSourceResponse(replay(rid, created, req, chat, req_body), sep="\n")
             choice = ({"index": 0, "message": {"role": "assistant", "content": req.text}} if chat
                       else {"index": 0, "text": req.text})
             return {"id": rid, "object": obj, "created": created, "model": name,
                     "choices": [{**choice, "finish_reason": req.finish_reason}], "usage": usage(req)}
         return EventSourceResponse(stream(rid, created, ids, text, params, chat, req_body, http),
                                    ping=15, sep="\n")
+
+    def chunk_json(rid, created, body, chat, delta=None, finish=None, role=False):
+        if chat:
+            d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta is not None else {})
+            choice = {"index": 0, "delta": d, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": delta or "", "finish_reason": finish}
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        return json.dumps({"id": rid, "object": obj, "created": created, "model": body.model, "choices": [choice]})
+
+    def usage_json(rid, created, body, chat, req):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        return json.dumps({"id": rid, "object": obj, "created": created, "model": body.model,
+                           "choices": [], "usage": usage(req)})
+
+    async def replay(rid, created, req, chat, body):
+        if chat:
+            yield chunk_json(rid, created, body, chat, role=True)
+        yield chunk_json(rid, created, body, chat, req.text, req.finish_reason)
+        if body.stream_options and body.stream_options.include_usage:
+            yield usage_json(rid, created, body, chat, req)
+        yield "[DONE]"
 
     async def stream(rid, created, ids, text, params, chat, body, http):
         queue: asyncio.Queue = asyncio.Queue()
@@ -149,20 +182,13 @@ def create_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
 
         def work():
             try:
-                return run(ids, text, params, on_token)
+                return run(ids, text, params, on_token, body.cache_salt)
             finally:
                 loop.call_soon_threadsafe(queue.put_nowait, None)  # always wake the stream up
 
         task = loop.run_in_executor(None, work)
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
         def chunk(delta=None, finish=None, role=False):
-            if chat:
-                d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta is not None else {})
-                choice = {"index": 0, "delta": d, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": delta or "", "finish_reason": finish}
-            return json.dumps({"id": rid, "object": obj, "created": created, "model": body.model, "choices": [choice]})
+            return chunk_json(rid, created, body, chat, delta, finish, role)
 
         try:
             if chat:
@@ -172,14 +198,13 @@ def create_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
                 if delta or finish:
                     yield chunk(delta, finish)
             try:
-                req = await task
+                req = llm.engine.output(await task)
             except Exception as exc:
                 yield json.dumps({"error": {"message": f"internal error: {type(exc).__name__}",
                                             "type": "internal_error", "param": None, "code": 500}})
                 return
             if body.stream_options and body.stream_options.include_usage:
-                yield json.dumps({"id": rid, "object": obj, "created": created, "model": body.model,
-                                  "choices": [], "usage": usage(req)})
+                yield usage_json(rid, created, body, chat, req)
             yield "[DONE]"
         finally:
             state["connected"] = False  # on disconnect the engine thread aborts at its next token
