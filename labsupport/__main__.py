@@ -23,6 +23,14 @@ def main(argv=None):
         p.add_argument("--model", default=None, help="HF folder or hub id (default: embedded SmolLM2-135M-Instruct)")
         p.add_argument("--device", default="auto")
         p.add_argument("--dtype", default="auto")
+        p.add_argument("--kv-cache", default="paged", choices=["paged", "contiguous", "none"])
+        p.add_argument("--block-size", type=int, default=16)
+        p.add_argument("--num-blocks", type=int, default=None)
+        p.add_argument("--max-num-seqs", type=int, default=64)
+        p.add_argument("--max-model-len", type=int, default=None)
+        p.add_argument("--enable-prefix-caching", action="store_true")
+        p.add_argument("--cpu-offload-blocks", type=int, default=0, help="CPU tier size in blocks (prefix caching)")
+    srv.add_argument("--enable-result-cache", action="store_true")
     args = parser.parse_args(argv)
 
     if args.command == "prepare":
@@ -31,7 +39,11 @@ def main(argv=None):
         return 0
     from . import LLM, SamplingParams
     try:
-        llm = LLM(model=args.model, device=args.device, dtype=args.dtype)
+        options = dict(kv_cache=args.kv_cache, block_size=args.block_size, num_blocks=args.num_blocks,
+                       max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                       enable_prefix_caching=args.enable_prefix_caching, cpu_offload_blocks=args.cpu_offload_blocks)
+        llm = LLM(model=args.model, device=args.device, dtype=args.dtype,
+                  enable_result_cache=getattr(args, "enable_result_cache", False), **options)
         if args.command == "generate":
             prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
             out = llm.generate(prompt, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,

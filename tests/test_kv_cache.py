@@ -116,3 +116,26 @@ def test_kv_manager_allocates_only_the_blocks_new_tokens_need():
     assert sum(1 for o in snap["owners"] if o) == 4
     kv.free(req)
     assert kv.allocator.num_free == 8
+
+
+def test_chunked_prefill_gives_the_same_tokens_and_shares_steps_with_decodes(reference_tokens):
+    chunked = LLM(device="cpu", enable_chunked_prefill=True, max_num_batched_tokens=8)
+    engine = chunked.engine
+    first = engine.add_request(chunked.tokenizer(PROMPTS[0]).input_ids, GREEDY)
+    engine.step()
+    engine.step()  # first is decoding now
+    long_ids = chunked.tokenizer(PROMPTS[2] * 3).input_ids
+    second = engine.add_request(long_ids, GREEDY)
+    engine.step()
+    assert 0 < second.num_computed_tokens < len(long_ids) and not second.output_token_ids  # a chunk only
+    assert len(first.output_token_ids) == 3  # the decode went on in the same step
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert first.output_token_ids == reference_tokens[0]
+    unchunked = LLM(device="cpu").generate({"prompt_token_ids": long_ids}, GREEDY, use_tqdm=False)[0]
+    assert second.output_token_ids == unchunked.token_ids
+
+
+def test_prompt_over_the_token_budget_needs_chunked_prefill():
+    with pytest.raises(ValueError, match="enable_chunked_prefill"):
+        LLM(device="cpu", max_num_batched_tokens=8).generate("one two three four five six seven eight nine", GREEDY)

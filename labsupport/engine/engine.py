@@ -45,8 +45,6 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.enable_chunked_prefill:
-            raise ValueError("enable_chunked_prefill=True arrives with chapter 05; this version does not have it yet")
         if (self.enable_prefix_caching or self.cpu_offload_blocks) and self.kv_cache != "paged":
             raise ValueError("prefix caching and the CPU tier need kv_cache='paged'")
         if self.cpu_offload_blocks and not self.enable_prefix_caching:
@@ -64,7 +62,8 @@ class LLMEngine:
         self.kv = None
         self.backend = backend or self._make_backend()
         self.runner = ModelRunner(self.model, self.backend, self.device)
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.kv)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.kv,
+                                   config.enable_chunked_prefill)
         self.counters = {"prompt_tokens_computed": 0, "generation_tokens": 0, "num_steps": 0}
 
     def _make_backend(self):
@@ -117,6 +116,9 @@ class LLMEngine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is "
                              f"{self.max_model_len}: shorten the prompt or raise max_model_len")
+        if not self.config.enable_chunked_prefill and len(prompt_token_ids) > self.config.max_num_batched_tokens:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, more than max_num_batched_tokens="
+                             f"{self.config.max_num_batched_tokens}: raise it or set enable_chunked_prefill=True")
         if self.kv is not None and blocks_needed(len(prompt_token_ids) + 1, self.kv.block_size) > self.kv.num_blocks:
             raise ValueError(f"the prompt needs more KV blocks than the pool has ({self.kv.num_blocks}): "
                              "raise num_blocks or kv_cache_memory_bytes, or shorten the prompt")

@@ -7,7 +7,9 @@ room: ``max_num_seqs`` sequences, ``max_num_batched_tokens`` tokens and, with pa
 blocks (after reusing whatever prefix the cache already holds). When a running request needs a
 block and none is free, the most recently arrived
 running request is preempted by recompute: its blocks are freed and it goes back to the front
-of the queue, to be recomputed later. Nothing crashes and nobody waits forever.
+of the queue, to be recomputed later. Nothing crashes and nobody waits forever. With chunked
+prefill, a prompt longer than what is left of the step's token budget is fed in chunks over
+several steps, sharing each step with the running decodes.
 """
 from __future__ import annotations
 
@@ -33,9 +35,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, kv: KVCacheManager | None = None):
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, kv: KVCacheManager | None = None,
+                 enable_chunked_prefill: bool = False):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -56,8 +60,8 @@ class Scheduler:
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            need = req.num_tokens - req.num_computed_tokens
-            if need > budget and batch:
+            need = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+            if need > budget and batch or need == 0:
                 break  # the rest run next step
             while not self._fits(req, need):
                 victim = self.running[-1]
@@ -71,12 +75,12 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hit = self.kv.match(req) if self.kv is not None else None  # prefix-cache reuse, if any
-            need = req.num_tokens - (hit.num_blocks() * self.kv.block_size if hit else 0)
-            if (need > budget and batch) or (hit is not None and not self.kv.can_admit(req, hit)):
+            need = self._chunk(req.num_tokens - (hit.num_blocks() * self.kv.block_size if hit else 0), budget)
+            if (need > budget and batch) or need == 0 or (hit is not None and not self.kv.can_admit(req, hit)):
                 break  # FCFS: nobody overtakes the head of the queue
             if hit is not None:
                 self.kv.admit(req, hit)
-                need = req.num_tokens - req.num_computed_tokens
+                need = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or time.perf_counter()
@@ -84,6 +88,10 @@ class Scheduler:
             self._take(batch, req, need)
             budget -= need
         return batch
+
+    def _chunk(self, need: int, budget: int) -> int:
+        """Chunked prefill: feed only what the step's token budget has room for; the rest next step."""
+        return min(need, max(budget, 0)) if self.enable_chunked_prefill else need
 
     def _take(self, batch: ScheduledBatch, req: Request, need: int):
         if self.kv is not None:
