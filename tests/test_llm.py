@@ -57,6 +57,7 @@ def test_stop_string_ends_and_trims_the_text(llm):
 def test_timings_are_recorded(llm):
     out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)[0]
     assert 0 < out.ttft <= out.metrics.latency and out.tpot > 0 and len(out.metrics.itl) == 3
+    assert 0 <= out.metrics.queueing_time <= out.ttft
 
 
 @pytest.mark.parametrize("call, message", [

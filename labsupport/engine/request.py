@@ -57,6 +57,11 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list)
 
     @property
+    def queueing_time(self) -> float | None:
+        """Time spent waiting before the first forward pass that included the request."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
     def ttft(self) -> float | None:
         """Time to first token: queueing + prefill + one sample."""
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
