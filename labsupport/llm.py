@@ -14,11 +14,10 @@ from __future__ import annotations
 
 from tqdm.auto import tqdm
 
-import dataclasses
 import time
 
 from .engine.engine import EngineConfig, LLMEngine
-from .engine.request import RequestOutput, SamplingParams
+from .engine.request import RequestOutput, SamplingParams, next_request_id
 from .serve.result_cache import ResultCache, is_deterministic, result_key
 
 
@@ -82,17 +81,17 @@ class LLM:
             else:
                 out = self.engine.output(req)
                 if key and out.finish_reason in ("stop", "length"):
-                    cache.put(key, out)
+                    cache.put(key, out.copy())  # a copy: the caller may change what it got
                 outputs.append(out)
         return outputs
 
     @staticmethod
     def _from_result_cache(out: RequestOutput) -> RequestOutput:
-        """The cached answer, with this request's own timings: it arrived and finished now."""
+        """A copy of the cached answer, with its own id and timings: it arrived and finished now."""
         now = time.perf_counter()
-        metrics = type(out.metrics)(arrival_time=now, first_token_time=now, finished_time=now,
-                                    token_times=[now] * len(out.token_ids))
-        return dataclasses.replace(out, metrics=metrics, cached=True)
+        metrics = type(out.metrics)(arrival_time=now, first_scheduled_time=now, first_token_time=now,
+                                    finished_time=now, token_times=[now] * len(out.token_ids))
+        return out.copy(request_id=next_request_id(), metrics=metrics, cached=True)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True):
         """One conversation (a message list) or several: the chat template is applied to each."""

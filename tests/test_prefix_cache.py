@@ -142,3 +142,14 @@ def test_prefix_caching_needs_the_paged_cache():
         LLM(device="cpu", kv_cache="contiguous", enable_prefix_caching=True)
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         LLM(device="cpu", cpu_offload_blocks=8)
+
+
+def test_result_cache_hands_out_independent_copies(cached_llm):
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    first = cached_llm.generate("The capital of Spain is", sp, use_tqdm=False)[0]
+    expected = list(first.token_ids)
+    first.token_ids.append(999)
+    first.text = "edited by the caller"
+    again = cached_llm.generate("The capital of Spain is", sp, use_tqdm=False)[0]
+    assert again.cached and again.token_ids == expected and again.text != "edited by the caller"
+    assert again.request_id != first.request_id

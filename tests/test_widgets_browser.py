@@ -18,7 +18,7 @@ WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 FAILURE_TEXT = ["Loading widget", "Error displaying widget", "Model state has errors",
                 "View state has errors", "Could not load"]
 # Chapter prefix -> CSS selector that must be in its rendered page once the chapter exists.
-CHAPTER_WIDGETS = {"02": ".kv-block-map .kv-block"}
+CHAPTER_WIDGETS = {"02": ".kv-block-map .kv-block", "03": ".kv-block-map .kv-shared"}
 
 
 def fixture_snapshot():

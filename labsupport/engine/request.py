@@ -7,6 +7,7 @@ number stays 0, so every step feeds the whole sequence again.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import time
@@ -86,10 +87,14 @@ class RequestMetrics:
 _ids = itertools.count()
 
 
+def next_request_id() -> str:
+    return str(next(_ids))
+
+
 class Request:
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                  prompt: str | None = None, cache_salt: str | None = None):
-        self.request_id = request_id if request_id is not None else str(next(_ids))
+        self.request_id = request_id if request_id is not None else next_request_id()
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -137,6 +142,11 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def copy(self, **changes) -> "RequestOutput":
+        """An independent copy (lists copied): what a cache stores and hands out."""
+        return dataclasses.replace(self, prompt_token_ids=list(self.prompt_token_ids),
+                                   token_ids=list(self.token_ids), **changes)
 
     @property
     def outputs(self):

@@ -137,7 +137,7 @@ def create_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
             if req is None:
                 req = llm.engine.output(await run_in_threadpool(run, ids, text, params, None, req_body.cache_salt))
                 if cache is not None and req.finish_reason in ("stop", "length"):
-                    cache.put(key, req)
+                    cache.put(key, req.copy())
             if req_body.stream:  # a cached answer streams as one chunk
                 return EventSourceResponse(replay(rid, created, req, chat, req_body), sep="\n")
             choice = ({"index": 0, "message": {"role": "assistant", "content": req.text}} if chat
