@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Literal
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
@@ -125,7 +125,7 @@ def create_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
         p, c = len(out.prompt_token_ids), len(out.token_ids)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
-    async def respond(req_body: CompletionParams, prompt, chat: bool, http: HTTPRequest):
+    async def respond(req_body: CompletionParams, prompt, chat: bool):
         ids, text, params = check(req_body, [m.model_dump() for m in prompt] if chat else prompt)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -144,7 +144,7 @@ def create_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
                       else {"index": 0, "text": req.text})
             return {"id": rid, "object": obj, "created": created, "model": name,
                     "choices": [{**choice, "finish_reason": req.finish_reason}], "usage": usage(req)}
-        return EventSourceResponse(stream(rid, created, ids, text, params, chat, req_body, http),
+        return EventSourceResponse(stream(rid, created, ids, text, params, chat, req_body),
                                    ping=15, sep="\n")
 
     def chunk_json(rid, created, body, chat, delta=None, finish=None, role=False):
@@ -169,7 +169,7 @@ def create_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
             yield usage_json(rid, created, body, chat, req)
         yield "[DONE]"
 
-    async def stream(rid, created, ids, text, params, chat, body, http):
+    async def stream(rid, created, ids, text, params, chat, body):
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         state = {"sent": 0, "connected": True}
@@ -210,12 +210,12 @@ def create_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
             state["connected"] = False  # on disconnect the engine thread aborts at its next token
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
-        return await respond(body, body.messages, True, http)
+    async def chat_completions(body: ChatCompletionRequest):
+        return await respond(body, body.messages, True)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http: HTTPRequest):
-        return await respond(body, body.prompt, False, http)
+    async def completions(body: CompletionRequest):
+        return await respond(body, body.prompt, False)
 
     @app.get("/v1/models")
     async def models():
