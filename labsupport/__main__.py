@@ -19,7 +19,18 @@ def main(argv=None):
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", default=None)
     sub.add_parser("prepare", help="convert the embedded default model once (make lab does this)")
-    for p in (gen, srv):
+    bench = sub.add_parser("bench", help="run a synthetic workload through the engine and print serving metrics")
+    bench.add_argument("--num-requests", type=int, default=32)
+    bench.add_argument("--rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: all at once)")
+    bench.add_argument("--input-len", type=int, nargs="+", default=[128], help="prompt lengths to draw from")
+    bench.add_argument("--output-len", type=int, nargs="+", default=[64], help="output lengths to draw from")
+    bench.add_argument("--shared-prefix-len", type=int, default=0)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--scheduling-policy", default="continuous", choices=["continuous", "static"])
+    bench.add_argument("--enable-chunked-prefill", action="store_true")
+    bench.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    bench.add_argument("--json", action="store_true", help="print the summary as JSON")
+    for p in (gen, srv, bench):
         p.add_argument("--model", default=None, help="HF folder or hub id (default: embedded SmolLM2-135M-Instruct)")
         p.add_argument("--device", default="auto")
         p.add_argument("--dtype", default="auto")
@@ -42,6 +53,9 @@ def main(argv=None):
         options = dict(kv_cache=args.kv_cache, block_size=args.block_size, num_blocks=args.num_blocks,
                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                        enable_prefix_caching=args.enable_prefix_caching, cpu_offload_blocks=args.cpu_offload_blocks)
+        if args.command == "bench":
+            options.update(scheduling_policy=args.scheduling_policy, enable_chunked_prefill=args.enable_chunked_prefill,
+                           max_num_batched_tokens=args.max_num_batched_tokens)
         llm = LLM(model=args.model, device=args.device, dtype=args.dtype,
                   enable_result_cache=getattr(args, "enable_result_cache", False), **options)
         if args.command == "generate":
@@ -50,12 +64,28 @@ def main(argv=None):
                                                       seed=args.seed), use_tqdm=False)[0]
             print(out.text)
             return 0
+        if args.command == "bench":
+            return run_bench(llm, args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     import uvicorn
     from .serve.api import create_app
     uvicorn.run(create_app(llm, args.served_model_name), host=args.host, port=args.port)
+    return 0
+
+
+def run_bench(llm, args) -> int:
+    import json
+
+    from .bench import poisson_workload, run_workload, summarize
+    from .bench.metrics import format_summary
+
+    workload = poisson_workload(llm.tokenizer, args.num_requests, args.rate, args.input_len, args.output_len,
+                                args.shared_prefix_len, args.seed)
+    outputs, duration = run_workload(llm, workload)
+    summary = summarize(outputs, duration)
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     return 0
 
 

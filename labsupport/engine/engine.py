@@ -38,6 +38,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     cpu_offload_blocks: int = 0  # CPU tier for blocks evicted from the pool (needs prefix caching)
     enable_chunked_prefill: bool = False
+    scheduling_policy: str = "continuous"  # or "static": the baseline of chapter 04
 
     def __post_init__(self):
         if self.kv_cache not in ("paged", "contiguous", "none"):
@@ -63,7 +64,7 @@ class LLMEngine:
         self.backend = backend or self._make_backend()
         self.runner = ModelRunner(self.model, self.backend, self.device)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.kv,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, config.scheduling_policy)
         self.counters = {"prompt_tokens_computed": 0, "generation_tokens": 0, "num_steps": 0}
 
     def _make_backend(self):

@@ -9,7 +9,8 @@ block and none is free, the most recently arrived
 running request is preempted by recompute: its blocks are freed and it goes back to the front
 of the queue, to be recomputed later. Nothing crashes and nobody waits forever. With chunked
 prefill, a prompt longer than what is left of the step's token budget is fed in chunks over
-several steps, sharing each step with the running decodes.
+several steps, sharing each step with the running decodes. ``policy="static"`` is the baseline
+chapter 04 measures against: a batch is admitted together and held until its longest member ends.
 """
 from __future__ import annotations
 
@@ -36,7 +37,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, kv: KVCacheManager | None = None,
-                 enable_chunked_prefill: bool = False):
+                 enable_chunked_prefill: bool = False, policy: str = "continuous"):
+        if policy not in ("continuous", "static"):
+            raise ValueError(f"scheduling policy must be 'continuous' or 'static', got {policy!r}")
+        self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -72,7 +76,9 @@ class Scheduler:
                 continue
             self._take(batch, req, need)
             budget -= need
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        # static batching, the baseline: a new batch only once the whole previous one has finished
+        admitting = self.policy == "continuous" or not self.running
+        while admitting and self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hit = self.kv.match(req) if self.kv is not None else None  # prefix-cache reuse, if any
             need = self._chunk(req.num_tokens - (hit.num_blocks() * self.kv.block_size if hit else 0), budget)

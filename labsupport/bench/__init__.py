@@ -1,0 +1,13 @@
+"""Benchmarks with the numbers a serving engineer reads: workloads, a driver, and metrics.
+
+    from labsupport.bench import poisson_workload, run_workload, summarize
+    results = run_workload(llm, poisson_workload(tokenizer, num_requests=32, rate=4.0))
+    print(summarize(results))
+
+``python -m labsupport bench --help`` runs the same from the command line, at any size.
+"""
+from .driver import run_workload
+from .metrics import summarize
+from .workload import BenchRequest, poisson_workload
+
+__all__ = ["BenchRequest", "poisson_workload", "run_workload", "summarize"]

@@ -1,0 +1,39 @@
+"""Workloads: which requests arrive when, with which prompt and output lengths.
+
+Arrivals follow a Poisson process (exponential gaps at ``rate`` requests per second), the usual
+model of independent users; ``rate=inf`` sends everything at once (an offline batch). Lengths
+are drawn from a list of choices, so a mix of short and long answers — the case where static
+batching wastes slots — is one argument. Everything is seeded: the same call gives the same run.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+
+@dataclass
+class BenchRequest:
+    arrival_time: float  # seconds after the start of the run
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def poisson_workload(tokenizer, num_requests: int, rate: float = math.inf, input_lens=(128,), output_lens=(64,),
+                     shared_prefix_len: int = 0, seed: int = 0) -> list[BenchRequest]:
+    """``num_requests`` requests; each prompt is real text cut to a length drawn from ``input_lens``
+    (the first ``shared_prefix_len`` tokens the same for all), each answer forced to a length drawn
+    from ``output_lens`` (the driver sets ``ignore_eos``)."""
+    rng = random.Random(seed)
+    text = " ".join(f"Request {i} asks about topic {rng.randint(0, 10**6)}." for i in range(400))
+    pool = tokenizer(text).input_ids
+    shared = pool[:shared_prefix_len]
+    t, requests = 0.0, []
+    for _ in range(num_requests):
+        if math.isfinite(rate):
+            t += rng.expovariate(rate)
+        n = rng.choice(list(input_lens))
+        start = rng.randrange(shared_prefix_len, max(shared_prefix_len + 1, len(pool) - n))
+        prompt = (shared + pool[start:start + max(1, n - len(shared))])[:max(n, 1)]
+        requests.append(BenchRequest(t if math.isfinite(rate) else 0.0, prompt, rng.choice(list(output_lens))))
+    return requests
