@@ -61,6 +61,8 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams: give one, or one per prompt")
         # tokenize and check everything before queueing anything, so a bad prompt loses nothing
         encoded = [self.tokenize(p) for p in prompts]
+        for ids, _ in encoded:
+            self.engine.check_prompt(ids)
         salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
         cache = self.result_cache if use_result_cache else None
         keys = [result_key(self.model_name, ids, sp, salt) if cache is not None and is_deterministic(sp) else None

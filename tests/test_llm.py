@@ -79,6 +79,7 @@ def test_bad_input_raises_value_error_and_queues_nothing(llm, call, message):
 def test_a_bad_prompt_in_a_list_loses_nothing(llm):
     with pytest.raises(ValueError):
         llm.generate(["fine", ""], GREEDY, use_tqdm=False)
+    assert llm.stats()["num_requests_waiting"] == 0  # "fine" was not left queued either
     assert llm.generate("fine", GREEDY, use_tqdm=False)[0].token_ids
 
 

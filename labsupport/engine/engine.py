@@ -112,6 +112,13 @@ class LLMEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, prompt: str | None = None,
                     cache_salt: str | None = None) -> Request:
+        self.check_prompt(prompt_token_ids)
+        req = Request(prompt_token_ids, params, request_id, prompt, cache_salt)
+        self.scheduler.add(req)
+        return req
+
+    def check_prompt(self, prompt_token_ids: list[int]):
+        """Raise ValueError, saying what to change, for a prompt this engine can never run."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: give at least one token of text")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -126,9 +133,6 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        req = Request(prompt_token_ids, params, request_id, prompt, cache_salt)
-        self.scheduler.add(req)
-        return req
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

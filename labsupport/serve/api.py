@@ -100,11 +100,7 @@ def create_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
         try:
             params = req.sampling_params()
             ids, text = llm.tokenize(prompt)
-            if not ids:
-                raise ValueError("the prompt is empty: give at least one token of text")
-            if len(ids) >= llm.engine.max_model_len:
-                raise ValueError(f"the prompt has {len(ids)} tokens but the model's context is "
-                                 f"{llm.engine.max_model_len}: shorten it")
+            llm.engine.check_prompt(ids)  # the engine's own rules, answered as a 400 before any work
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         return ids, text, params
