@@ -36,16 +36,21 @@ class PagedAttention(AttentionBackend):
     def prepare(self, requests, num_new_tokens) -> AttentionBatch:
         batch = super().prepare(requests, num_new_tokens)
         bs = self.block_size
-        writes, gathers = [], []
+        writes = []
         for req, n, ctx in zip(requests, num_new_tokens, batch.context_lens):
-            writes += self.slot_mapping(req.block_table, ctx - n, n, bs)
-            gathers.append(self.slot_mapping(req.block_table, 0, ctx, bs))
+            writes += self.slot_mapping(req.block_table, ctx - n, n, bs)  # only the new tokens' slots
         max_q, max_k = max(batch.query_lens), max(batch.context_lens)
         dev = self.device
-        gather = torch.zeros(len(requests), max_k, dtype=torch.long)
+        # reads: every slot of each whole block table at once, cut to the context (padding: slot 0)
+        max_blocks = -(-max_k // bs)
+        tables = torch.zeros(len(requests), max_blocks, dtype=torch.long)
+        for i, req in enumerate(requests):
+            used = -(-batch.context_lens[i] // bs)
+            tables[i, :used] = torch.tensor(req.block_table[:used])
+        gather = (tables[:, :, None] * bs + torch.arange(bs)).flatten(1)[:, :max_k]
+        gather[torch.arange(max_k)[None, :] >= torch.tensor(batch.context_lens)[:, None]] = 0
         q_index = torch.zeros(len(requests), max_q, dtype=torch.long)
-        for i, (slots, n) in enumerate(zip(gathers, batch.query_lens)):
-            gather[i, :len(slots)] = torch.tensor(slots)
+        for i, n in enumerate(batch.query_lens):
             q_index[i, :n] = torch.arange(batch.query_offsets[i], batch.query_offsets[i] + n)
         qlen = torch.tensor(batch.query_lens)[:, None, None]
         ctx = torch.tensor(batch.context_lens)[:, None, None]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..models.llama import LlamaForCausalLM
-from .attention import AttentionBackend, AttentionBatch
+from .attention import AttentionBackend, AttentionBatch, RecomputeAttention
 from .sampler import Sampler
 from .scheduler import ScheduledBatch
 
@@ -42,8 +42,6 @@ def sequence_logits(model: LlamaForCausalLM, token_ids: list[int]) -> torch.Tens
     This is the whole model as chapter 00 sees it: tokens in, one next-token distribution per
     position out, nothing remembered between calls.
     """
-    from .attention import RecomputeAttention
-
     device = next(model.parameters()).device
     n = len(token_ids)
     hidden = model(torch.tensor(token_ids, device=device), torch.arange(n, device=device),
