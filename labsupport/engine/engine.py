@@ -2,7 +2,8 @@
 
 ``add_request`` checks and queues; ``step`` runs one forward pass for the scheduled batch and
 appends one token to every sequence it finished feeding; requests that hit EOS, a stop string,
-``max_tokens`` or the context length leave at once.
+``max_tokens`` or the context length leave at once. ``last_step`` keeps the engine's own record
+of the step (a ``StepRecord``), which timelines and tests read instead of guessing.
 """
 from __future__ import annotations
 
@@ -22,6 +23,20 @@ from .scheduler import Scheduler
 
 
 @dataclass
+class StepRecord:
+    """What one step did, for timelines and tests: the engine's own account, not a reconstruction."""
+
+    index: int
+    start: float  # time.perf_counter() before scheduling
+    end: float  # after the forward pass and sampling
+    scheduled: dict[str, tuple[int, bool]]  # request id -> (tokens fed, was it prefill rather than a decode)
+    running: list[str]  # the running list after scheduling: the batch's slots
+    waiting: list[str]  # still queued, in queue order
+    preempted: list[str]  # sent back to the queue this step
+    finished: list[str]  # left this step
+
+
+@dataclass
 class EngineConfig:
     """Engine options, with vLLM's names."""
 
@@ -38,6 +53,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     cpu_offload_blocks: int = 0  # CPU tier for blocks evicted from the pool (needs prefix caching)
     enable_chunked_prefill: bool = False
+    long_prefill_token_threshold: int = 0  # with chunked prefill: cap on one request's chunk per step (0: none)
     scheduling_policy: str = "continuous"  # or "static": the baseline of chapter 04
 
     def __post_init__(self):
@@ -48,6 +64,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if (self.enable_prefix_caching or self.cpu_offload_blocks) and self.kv_cache != "paged":
             raise ValueError("prefix caching and the CPU tier need kv_cache='paged'")
+        if self.long_prefill_token_threshold < 0 or (self.long_prefill_token_threshold
+                                                     and not self.enable_chunked_prefill):
+            raise ValueError("long_prefill_token_threshold must be >= 0 and needs enable_chunked_prefill=True")
         if self.cpu_offload_blocks and not self.enable_prefix_caching:
             raise ValueError("cpu_offload_blocks needs enable_prefix_caching=True: the CPU tier holds cached blocks")
 
@@ -64,8 +83,10 @@ class LLMEngine:
         self.backend = backend or self._make_backend()
         self.runner = ModelRunner(self.model, self.backend, self.device)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.kv,
-                                   config.enable_chunked_prefill, config.scheduling_policy)
+                                   config.enable_chunked_prefill, config.scheduling_policy,
+                                   config.long_prefill_token_threshold)
         self.counters = {"prompt_tokens_computed": 0, "generation_tokens": 0, "num_steps": 0}
+        self.last_step: StepRecord | None = None
 
     def _make_backend(self):
         cfg, c = self.model.config, self.config
@@ -139,9 +160,13 @@ class LLMEngine:
 
     def step(self) -> list[Request]:
         """One forward pass. Returns the requests that received a token (finished ones included)."""
+        began = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        scheduled = {r.request_id: (n, not (n == 1 and r.num_computed_tokens == r.num_tokens - 1))
+                     for r, n in zip(batch.requests, batch.num_new_tokens)}
+        running = [r.request_id for r in self.scheduler.running]
         tokens = self.runner.execute(batch)
         now = time.perf_counter()
         self.counters["num_steps"] += 1
@@ -157,6 +182,10 @@ class LLMEngine:
             if done_feeding:  # a partial prompt chunk samples nothing
                 self._append_token(req, token, now)
                 touched.append(req)
+        self.last_step = StepRecord(self.counters["num_steps"] - 1, began, time.perf_counter(), scheduled, running,
+                                    [r.request_id for r in self.scheduler.waiting],
+                                    [r.request_id for r in self.scheduler.preempted_this_step],
+                                    [r.request_id for r in touched if r.is_finished])
         return touched
 
     def _append_token(self, req: Request, token: int, now: float):
