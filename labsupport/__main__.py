@@ -1,4 +1,4 @@
-"""Command line: ``python -m labsupport {generate,serve,prepare}``."""
+"""Command line: ``python -m labsupport {generate,serve,prepare,bench}``."""
 from __future__ import annotations
 
 import argparse
@@ -20,14 +20,25 @@ def main(argv=None):
     srv.add_argument("--served-model-name", default=None)
     sub.add_parser("prepare", help="convert the embedded default model once (make lab does this)")
     bench = sub.add_parser("bench", help="run a synthetic workload through the engine and print serving metrics")
+    bench.add_argument("--workload", default="poisson", choices=["poisson", "long-prompts"],
+                       help="poisson: seeded Poisson arrivals; long-prompts: --num-requests short requests decoding, "
+                            "--num-long long prompts arriving among them (chapter 05)")
     bench.add_argument("--num-requests", type=int, default=32)
     bench.add_argument("--rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: all at once)")
     bench.add_argument("--input-len", type=int, nargs="+", default=[128], help="prompt lengths to draw from")
     bench.add_argument("--output-len", type=int, nargs="+", default=[64], help="output lengths to draw from")
     bench.add_argument("--shared-prefix-len", type=int, default=0)
+    bench.add_argument("--num-long", type=int, default=2, help="long-prompts: how many long prompts")
+    bench.add_argument("--long-input-len", type=int, default=1024, help="long-prompts: their length in tokens")
+    bench.add_argument("--long-start", type=float, default=4, help="long-prompts: arrival of the first (clock units)")
+    bench.add_argument("--long-every", type=float, default=16, help="long-prompts: gap between them (clock units)")
+    bench.add_argument("--clock", default=None, choices=["wall", "steps"],
+                       help="arrival times in seconds or in engine steps (default: wall for poisson, steps for "
+                            "long-prompts)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--scheduling-policy", default="continuous", choices=["continuous", "static"])
     bench.add_argument("--enable-chunked-prefill", action="store_true")
+    bench.add_argument("--long-prefill-token-threshold", type=int, default=0)
     bench.add_argument("--max-num-batched-tokens", type=int, default=8192)
     bench.add_argument("--json", action="store_true", help="print the summary as JSON")
     for p in (gen, srv, bench):
@@ -55,7 +66,8 @@ def main(argv=None):
                        enable_prefix_caching=args.enable_prefix_caching, cpu_offload_blocks=args.cpu_offload_blocks)
         if args.command == "bench":
             options.update(scheduling_policy=args.scheduling_policy, enable_chunked_prefill=args.enable_chunked_prefill,
-                           max_num_batched_tokens=args.max_num_batched_tokens)
+                           max_num_batched_tokens=args.max_num_batched_tokens,
+                           long_prefill_token_threshold=args.long_prefill_token_threshold)
         llm = LLM(model=args.model, device=args.device, dtype=args.dtype,
                   enable_result_cache=getattr(args, "enable_result_cache", False), **options)
         if args.command == "generate":
@@ -78,14 +90,29 @@ def main(argv=None):
 def run_bench(llm, args) -> int:
     import json
 
-    from .bench import poisson_workload, run_workload, summarize
+    from .bench import long_prompt_workload, poisson_workload, run_workload, summarize
     from .bench.metrics import format_summary
 
-    workload = poisson_workload(llm.tokenizer, args.num_requests, args.rate, args.input_len, args.output_len,
-                                args.shared_prefix_len, args.seed)
-    outputs, duration = run_workload(llm, workload)
-    summary = summarize(outputs, duration)
-    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    if args.workload == "poisson":
+        workload = poisson_workload(llm.tokenizer, args.num_requests, args.rate, args.input_len, args.output_len,
+                                    args.shared_prefix_len, args.seed)
+    else:
+        workload = long_prompt_workload(llm.tokenizer, args.num_requests, args.input_len[0], args.output_len[0],
+                                        args.num_long, args.long_input_len, 8, args.long_start, args.long_every,
+                                        args.seed)
+    clock = args.clock or ("wall" if args.workload == "poisson" else "steps")
+    outputs, duration = run_workload(llm, workload, clock=clock)
+    groups = {"all": outputs}
+    if args.workload == "long-prompts":  # the decoders' ITL and the long prompts' TTFT are the story
+        groups = {name: [o for o in outputs if o.request_id.startswith(name)] for name in ("short", "long")}
+    summaries = {name: summarize(outs, duration) for name, outs in groups.items()}
+    if args.json:
+        print(json.dumps(summaries["all"] if len(summaries) == 1 else summaries, indent=2))
+    else:
+        for name, summary in summaries.items():
+            if len(summaries) > 1:
+                print(f"--- {name} requests")
+            print(format_summary(summary))
     return 0
 
 

@@ -8,6 +8,6 @@
 """
 from .driver import run_workload
 from .metrics import summarize
-from .workload import BenchRequest, poisson_workload
+from .workload import BenchRequest, long_prompt_workload, poisson_workload
 
-__all__ = ["BenchRequest", "poisson_workload", "run_workload", "summarize"]
+__all__ = ["BenchRequest", "long_prompt_workload", "poisson_workload", "run_workload", "summarize"]
