@@ -1,0 +1,15 @@
+"""Checks for the attendee's exercises. Each check runs the attendee's code against the real
+engine (or the engine's own reference pieces) and raises ``CheckFailed`` with a message saying
+what differs and where to look.
+
+The tests prove every check passes the reference solution (taken from the chapter notebook
+itself) and fails planted wrong implementations, so a check can never be a rubber stamp.
+"""
+from .base import CheckFailed, first_difference, passed
+from .decoding import check_cached_attention, check_greedy_generate
+from .memory import check_block_allocator, check_chain_hashes, check_longest_prefix, check_slot_mapping
+from .scheduling import check_chunk_rule, check_schedule
+
+__all__ = ["CheckFailed", "first_difference", "passed", "check_greedy_generate", "check_cached_attention",
+           "check_slot_mapping", "check_block_allocator", "check_chain_hashes", "check_longest_prefix",
+           "check_schedule", "check_chunk_rule"]
