@@ -16,7 +16,10 @@ def exercise_solutions(path) -> dict:
     import math
 
     import torch
-    namespace = {"torch": torch, "math": math}  # what every chapter's set-up cell imports
+
+    from labsupport.engine.scheduler import ScheduledBatch
+    # what the chapters' set-up cells import and their exercise cells use
+    namespace = {"torch": torch, "math": math, "ScheduledBatch": ScheduledBatch}
     for cell in read(path).cells:
         if cell.cell_type == "code" and "exercise" in cell.metadata.get("tags", []):
             exec(cell.source, namespace)

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from labsupport import checks
+from labsupport.engine.scheduler import ScheduledBatch
 
 from notebook_tools import chapter, exercise_solutions
 
@@ -303,3 +304,146 @@ def stops_one_early(hashes, lookup):
 def test_planted_wrong_longest_prefix_fails(wrong):
     with pytest.raises(checks.CheckFailed):
         checks.check_longest_prefix(wrong)
+
+
+# ---- chapter 04: schedule() ---------------------------------------------------------------------
+
+def test_reference_schedule_passes(llm):
+    checks.check_schedule(exercise_solutions(chapter("04"))["schedule"], llm)
+
+
+def _running_first(s, batch, budget, victim=lambda s: s.running[-1]):
+    for req in list(s.running):
+        if req not in s.running:
+            continue
+        need = s.num_new_tokens(req, budget, batch)
+        if need == 0:
+            break
+        while not s.can_allocate(req, need):
+            s.preempt(victim(s))
+            if req not in s.running:
+                break
+        if req in s.running:
+            s.take(batch, req, need)
+            budget -= need
+    return budget
+
+
+def _admit_fcfs(s, batch, budget, max_seqs=None):
+    while s.waiting and len(s.running) < (max_seqs or s.max_num_seqs):
+        req = s.waiting[0]
+        need = s.num_new_tokens(req, budget, batch)
+        if need == 0 or not s.can_allocate(req, need):
+            break
+        s.admit(req)
+        s.take(batch, req, need)
+        budget -= need
+
+
+def ignores_the_token_budget(s):
+    batch = ScheduledBatch([], [])
+    _running_first(s, batch, 10**9)
+    _admit_fcfs(s, batch, 10**9)
+    return batch
+
+
+def lets_short_prompts_overtake(s):
+    batch = ScheduledBatch([], [])
+    budget = _running_first(s, batch, s.max_num_batched_tokens)
+    for req in list(s.waiting):
+        need = s.num_new_tokens(req, budget, batch)
+        if len(s.running) < s.max_num_seqs and need and s.can_allocate(req, need):
+            s.admit(req)
+            s.take(batch, req, need)
+            budget -= need
+    return batch
+
+
+def skips_instead_of_preempting(s):
+    batch = ScheduledBatch([], [])
+    budget = s.max_num_batched_tokens
+    for req in list(s.running):
+        need = s.num_new_tokens(req, budget, batch)
+        if need and s.can_allocate(req, need):
+            s.take(batch, req, need)
+            budget -= need
+    _admit_fcfs(s, batch, budget)
+    return batch
+
+
+def static_batches(s):
+    batch = ScheduledBatch([], [])
+    idle = not s.running
+    budget = _running_first(s, batch, s.max_num_batched_tokens)
+    if idle:
+        _admit_fcfs(s, batch, budget)
+    return batch
+
+
+def admits_before_running(s):
+    batch = ScheduledBatch([], [])
+    old = list(s.running)
+    budget = s.max_num_batched_tokens
+    while s.waiting and len(s.running) < s.max_num_seqs:
+        req = s.waiting[0]
+        need = s.num_new_tokens(req, budget, batch)
+        if need == 0 or not s.can_allocate(req, need):
+            break
+        s.admit(req)
+        s.take(batch, req, need)
+        budget -= need
+    for req in old:
+        need = s.num_new_tokens(req, budget, batch)
+        if need and s.can_allocate(req, need):
+            s.take(batch, req, need)
+            budget -= need
+    return batch
+
+
+def preempts_the_oldest(s):
+    batch = ScheduledBatch([], [])
+    _admit_fcfs(s, batch, _running_first(s, batch, s.max_num_batched_tokens, victim=lambda s: s.running[0]))
+    return batch
+
+
+def ignores_max_num_seqs(s):
+    batch = ScheduledBatch([], [])
+    _admit_fcfs(s, batch, _running_first(s, batch, s.max_num_batched_tokens), max_seqs=10**9)
+    return batch
+
+
+def feeds_one_token_at_a_time(s):
+    batch = ScheduledBatch([], [])
+    for req in list(s.running) + list(s.waiting)[:s.max_num_seqs - len(s.running)]:
+        if req in s.waiting and s.can_allocate(req, 1):
+            s.admit(req)
+        if req in s.running and s.can_allocate(req, 1):
+            s.take(batch, req, 1)
+    return batch
+
+
+@pytest.mark.parametrize("wrong", [ignores_the_token_budget, lets_short_prompts_overtake, skips_instead_of_preempting,
+                                   static_batches, admits_before_running, preempts_the_oldest, ignores_max_num_seqs,
+                                   feeds_one_token_at_a_time])
+def test_planted_wrong_schedule_fails(wrong):
+    with pytest.raises(checks.CheckFailed):
+        checks.check_schedule(wrong)
+
+
+# ---- chapter 05: the chunking rule --------------------------------------------------------------
+
+def test_reference_chunk_rule_passes(llm):
+    checks.check_chunk_rule(exercise_solutions(chapter("05"))["chunk_rule"], llm)
+
+
+@pytest.mark.parametrize("wrong", [
+    lambda r, b, c, t=0: r,                                                    # ignores the budget
+    lambda r, b, c, t=0: min(r, b),                                            # chunks even when disabled
+    lambda r, b, c, t=0: r if r <= b else (b if c else 0),                     # ignores the threshold
+    lambda r, b, c, t=0: min(t, b) if c and t else (r if r <= b else (b if c else 0)),  # pads to the threshold
+    lambda r, b, c, t=0: min(r, t or r) if c else (r if r <= b else 0),        # lets the threshold beat the budget
+    lambda r, b, c, t=0: r if r <= b else (b - 1 if c else 0),                 # off by one
+])
+def test_planted_wrong_chunk_rule_fails(wrong):
+    with pytest.raises(checks.CheckFailed):
+        checks.check_chunk_rule(wrong)
