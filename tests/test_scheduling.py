@@ -144,6 +144,9 @@ def test_timeline_html_shows_slots_prefill_and_preemptions():
     assert len(select(page, ".batch-timeline .tl-grid .tl-preempt")) == 1
     assert "4 steps · 3 requests · mean batch 1.5 · slot use 75 % · 1 preemptions" in page
     assert timeline.plot() is not None
+    wide = BatchTimeline(num_slots=64)  # a big max_num_seqs draws only the slots in use
+    wide.record(StepRecord(0, 0.0, 0.1, {"a": (3, True)}, ["a"], [], [], []))
+    assert wide.slots_drawn() == 1 and BatchTimeline(num_slots=3).slots_drawn() == 3
 
 
 def test_bench_cli_long_prompt_workload_reports_both_groups():

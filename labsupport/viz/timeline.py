@@ -41,7 +41,7 @@ CSS = """<style>
 class BatchTimeline:
     """Slots × steps of one engine run. Display it, then feed it with ``on_step`` or ``record``.
 
-    ``num_slots``: rows to draw (default: the engine's ``max_num_seqs``, capped to the slots used).
+    ``num_slots``: rows to draw (default: the engine's ``max_num_seqs``; above 16, only the slots used).
     ``update_every_s``: how often a live view re-renders (the last step always renders).
     """
 
@@ -56,15 +56,19 @@ class BatchTimeline:
         self.slot_of: dict[str, int] = {}
         self.colors: dict[str, str] = {}
         self.order: list[str] = []  # request ids in the order they first ran
-        self.num_steps, self._last_render, self._html = 0, 0.0, None
+        self.num_steps, self._last_render, self._html, self._last_index = 0, 0.0, None, None
 
     # ------------------------------------------------------------------ feeding
 
     def on_step(self, engine):
         """The ``run_workload`` hook: record the engine's last step, re-render now and then."""
         if self.num_slots is None:
-            self.num_slots = engine.config.max_num_seqs
-        self.record(engine.last_step)
+            self.num_slots = engine.scheduler.max_num_seqs
+        step = engine.last_step
+        if step is None or step.index == self._last_index:
+            return  # the engine had nothing to run: no new step to draw
+        self._last_index = step.index
+        self.record(step)
         now = time.perf_counter()
         if self._html is not None and (not engine.has_unfinished_requests()
                                        or now - self._last_render >= self.update_every_s):
@@ -98,8 +102,9 @@ class BatchTimeline:
     # ------------------------------------------------------------------ numbers
 
     def slots_drawn(self) -> int:
+        """Rows: every slot of a small batch (idle slots are the point of chapter 04), else those used."""
         used = 1 + max((s for _, s, _, _ in self.cells), default=0)
-        return max(used, min(self.num_slots or used, 64))
+        return max(used, self.num_slots) if self.num_slots and self.num_slots <= 16 else used
 
     def summary(self) -> dict:
         """Steps, requests, preemptions and slot use: busy (prefill or decode) cells over all cells."""
