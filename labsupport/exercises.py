@@ -57,6 +57,7 @@ def student_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     for cell in out.cells:
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
+            cell.metadata.pop("execution", None)  # run timestamps: they would change with every run
         if cell.cell_type == "code" and "exercise" in cell.metadata.get("tags", []):
             student, solution = split_solution(cell.source)
             cell.source = student
