@@ -15,7 +15,6 @@ A test regenerates them and fails if the committed copies are stale.
 from __future__ import annotations
 
 import copy
-import re
 import sys
 from pathlib import Path
 

@@ -338,6 +338,7 @@ def _admit_fcfs(s, batch, budget, max_seqs=None):
         s.admit(req)
         s.take(batch, req, need)
         budget -= need
+    return budget
 
 
 def ignores_the_token_budget(s):
@@ -383,15 +384,7 @@ def static_batches(s):
 def admits_before_running(s):
     batch = ScheduledBatch([], [])
     old = list(s.running)
-    budget = s.max_num_batched_tokens
-    while s.waiting and len(s.running) < s.max_num_seqs:
-        req = s.waiting[0]
-        need = s.num_new_tokens(req, budget, batch)
-        if need == 0 or not s.can_allocate(req, need):
-            break
-        s.admit(req)
-        s.take(batch, req, need)
-        budget -= need
+    budget = _admit_fcfs(s, batch, s.max_num_batched_tokens)
     for req in old:
         need = s.num_new_tokens(req, budget, batch)
         if need and s.can_allocate(req, need):

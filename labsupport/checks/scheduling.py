@@ -190,7 +190,7 @@ def _same_tokens_in_engine(llm, plug, what, num_blocks=None, chunked=False, budg
         runs = []
         for plugged in (True, False):
             if num_blocks is not None:
-                engine.kv.allocator = type(saved[5])(num_blocks)  # a small pool: preemption happens
+                engine.use_block_allocator(type(saved[5])(num_blocks))  # a small pool: preemption happens
             s.enable_chunked_prefill = chunked or s.enable_chunked_prefill
             s.max_num_batched_tokens = budget or s.max_num_batched_tokens
             s.long_prefill_token_threshold = threshold

