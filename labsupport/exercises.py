@@ -11,6 +11,10 @@ executes. A code cell tagged ``exercise`` marks the attendee's part between two 
 each solution replaced by ``raise NotImplementedError(...)``, and the solution kept in a
 collapsed "Reveal the reference solution" cell right below, so nobody has to go looking for it.
 A test regenerates them and fails if the committed copies are stale.
+
+Stuck? Every chapter's ``parameters`` cell has ``USE_REFERENCE = False``; set it to ``True`` and
+each check cell swaps in the reference solution (``reference(name, globals())``, read from the
+chapter notebook itself, the one source), so the rest of the chapter runs.
 """
 from __future__ import annotations
 
@@ -70,6 +74,22 @@ def student_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
         c.pop("id", None)
     out.cells = cells
     return out
+
+
+def reference(name: str, namespace: dict | None = None):
+    """The reference solution named ``name`` (a function or class an exercise cell defines), taken from
+    the chapter notebooks' exercise cells. ``namespace``: the notebook's globals (its imports)."""
+    root = Path(__file__).resolve().parent.parent
+    for chapter in chapters(root):
+        for cell in nbformat.read(chapter, as_version=4).cells:
+            if cell.cell_type != "code" or "exercise" not in cell.metadata.get("tags", []):
+                continue
+            if any(line.startswith((f"def {name}(", f"class {name}(", f"class {name}:"))
+                   for line in cell.source.splitlines()):
+                scope = dict(namespace or {})
+                exec(compile(cell.source, f"{chapter.name} (reference solution)", "exec"), scope)
+                return scope[name]
+    raise ValueError(f"no exercise defines {name!r}")
 
 
 def exercise_path(chapter: Path) -> Path:

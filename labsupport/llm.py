@@ -9,20 +9,16 @@ dict ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``; a dict may carry ``"
 
 ``enable_result_cache=True`` puts an exact-match result cache in front of the engine
 (``labsupport.serve.result_cache``); ``generate(..., use_result_cache=False)`` bypasses it.
+``with llm.plugged(schedule_fn=...)`` runs the engine on an exercise's piece for a while.
 """
 from __future__ import annotations
 
 from tqdm.auto import tqdm
 
-import time
-
 from .engine.engine import EngineConfig, LLMEngine
-from .engine.request import RequestOutput, SamplingParams, next_request_id
-from .serve.result_cache import ResultCache, is_deterministic, result_key
-
-
-def is_chat(prompt) -> bool:
-    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
+from .engine.request import RequestOutput, SamplingParams
+from .frontend import Frontend, is_chat
+from .serve.result_cache import ResultCache
 
 
 class LLM:
@@ -32,25 +28,19 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_path.name
         self.result_cache = ResultCache(result_cache_size, result_cache_ttl_s) if enable_result_cache else None
+        self.frontend = Frontend(self.engine, self.model_name, self.result_cache)
 
     def tokenize(self, prompt) -> tuple[list[int], str | None]:
         """Return ``(token_ids, text)`` for any accepted prompt form."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return list(prompt["prompt_token_ids"]), None
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs a 'prompt' or a 'prompt_token_ids' key")
-        if is_chat(prompt):
-            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-            return self.tokenizer(text, add_special_tokens=False).input_ids, text
-        if isinstance(prompt, str):
-            return self.tokenizer(prompt).input_ids, prompt
-        raise ValueError(f"a prompt is a string, a chat message list or a dict, not {type(prompt).__name__}")
+        return self.frontend.tokenize(prompt)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, use_result_cache: bool = True) -> list[RequestOutput]:
+        """Run the prompts to completion and return their outputs in order.
+
+        Every prompt is checked before any is queued, so a bad one loses nothing. If the call
+        raises or is interrupted (the notebook's stop button), the requests it added are aborted
+        and their memory freed: the next call runs only its own."""
         single = isinstance(prompts, (str, dict)) or is_chat(prompts)
         prompts = [prompts] if single else list(prompts)
         if not prompts:
@@ -59,46 +49,29 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams: give one, or one per prompt")
-        # tokenize and check everything before queueing anything, so a bad prompt loses nothing
-        encoded = [self.tokenize(p) for p in prompts]
-        for ids, _ in encoded:
-            self.engine.check_prompt(ids)
-        salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
-        cache = self.result_cache if use_result_cache else None
-        keys = [result_key(self.model_name, ids, sp, salt) if cache is not None and is_deterministic(sp) else None
-                for (ids, _), sp, salt in zip(encoded, params, salts)]
-        cached = [cache.get(k) if k else None for k in keys]
-        requests = [None if hit else self.engine.add_request(ids, sp, prompt=text, cache_salt=salt)
-                    for (ids, text), sp, salt, hit in zip(encoded, params, salts, cached)]
-        bar = tqdm(total=len(requests), desc="Generating", unit="req", disable=not use_tqdm)
-        bar.update(sum(hit is not None for hit in cached))
-        while self.engine.has_unfinished_requests():
-            done = sum(r.is_finished for r in self.engine.step())
-            bar.update(done)
-        bar.close()
-        outputs = []
-        for req, hit, key in zip(requests, cached, keys):
-            if hit is not None:
-                outputs.append(self._from_result_cache(hit))
-            else:
-                out = self.engine.output(req)
-                if key and out.finish_reason in ("stop", "length"):
-                    cache.put(key, out.copy())  # a copy: the caller may change what it got
-                outputs.append(out)
-        return outputs
-
-    @staticmethod
-    def _from_result_cache(out: RequestOutput) -> RequestOutput:
-        """A copy of the cached answer, with its own id and timings: it arrived and finished now."""
-        now = time.perf_counter()
-        metrics = type(out.metrics)(arrival_time=now, first_scheduled_time=now, first_token_time=now,
-                                    finished_time=now, token_times=[now] * len(out.token_ids))
-        return out.copy(request_id=next_request_id(), metrics=metrics, cached=True)
+        prepared = [self.frontend.prepare(p, sp, use_result_cache=use_result_cache) for p, sp in zip(prompts, params)]
+        requests = []
+        try:
+            requests = [None if p.cached else self.frontend.submit(p) for p in prepared]
+            mine = [r for r in requests if r is not None]
+            ids = {r.request_id for r in mine}
+            with tqdm(total=len(prompts), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+                bar.update(len(prompts) - len(mine))
+                while not all(r.is_finished for r in mine):
+                    bar.update(sum(r.is_finished and r.request_id in ids for r in self.engine.step()))
+        except BaseException:
+            self.engine.abort_requests([r for r in requests if r is not None])
+            raise
+        return [p.cached or self.frontend.complete(p, r) for p, r in zip(prepared, requests)]
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True):
         """One conversation (a message list) or several: the chat template is applied to each."""
         convs = [messages] if is_chat(messages) else list(messages)
         return self.generate(convs, sampling_params, use_tqdm=use_tqdm)
+
+    def plugged(self, **pieces):
+        """``with llm.plugged(schedule_fn=schedule): ...``: see ``LLMEngine.plugged``."""
+        return self.engine.plugged(**pieces)
 
     def stats(self) -> dict:
         hits = self.result_cache.hits if self.result_cache is not None else 0

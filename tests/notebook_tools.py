@@ -17,9 +17,9 @@ def exercise_solutions(path) -> dict:
 
     import torch
 
-    from labsupport.engine.scheduler import ScheduledBatch
+    from labsupport.engine.scheduler import SchedulerOutput
     # what the chapters' set-up cells import and their exercise cells use
-    namespace = {"torch": torch, "math": math, "ScheduledBatch": ScheduledBatch}
+    namespace = {"torch": torch, "math": math, "SchedulerOutput": SchedulerOutput}
     for cell in read(path).cells:
         if cell.cell_type == "code" and "exercise" in cell.metadata.get("tags", []):
             exec(cell.source, namespace)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from labsupport import checks
-from labsupport.engine.scheduler import ScheduledBatch
+from labsupport.engine.scheduler import SchedulerOutput
 
 from notebook_tools import chapter, exercise_solutions
 
@@ -319,99 +319,99 @@ def _running_first(s, batch, budget, victim=lambda s: s.running[-1]):
         need = s.num_new_tokens(req, budget, batch)
         if need == 0:
             break
-        while not s.can_allocate(req, need):
+        while not s.kv.can_allocate(req, need):
             s.preempt(victim(s))
             if req not in s.running:
                 break
         if req in s.running:
-            s.take(batch, req, need)
+            s.add_to_batch(batch, req, need)
             budget -= need
     return budget
 
 
 def _admit_fcfs(s, batch, budget, max_seqs=None):
-    while s.waiting and len(s.running) < (max_seqs or s.max_num_seqs):
+    while s.waiting and len(s.running) < (max_seqs or s.config.max_num_seqs):
         req = s.waiting[0]
         need = s.num_new_tokens(req, budget, batch)
-        if need == 0 or not s.can_allocate(req, need):
+        if need == 0 or not s.kv.can_allocate(req, need):
             break
         s.admit(req)
-        s.take(batch, req, need)
+        s.add_to_batch(batch, req, need)
         budget -= need
     return budget
 
 
 def ignores_the_token_budget(s):
-    batch = ScheduledBatch([], [])
+    batch = SchedulerOutput()
     _running_first(s, batch, 10**9)
     _admit_fcfs(s, batch, 10**9)
     return batch
 
 
 def lets_short_prompts_overtake(s):
-    batch = ScheduledBatch([], [])
-    budget = _running_first(s, batch, s.max_num_batched_tokens)
+    batch = SchedulerOutput()
+    budget = _running_first(s, batch, s.config.max_num_batched_tokens)
     for req in list(s.waiting):
         need = s.num_new_tokens(req, budget, batch)
-        if len(s.running) < s.max_num_seqs and need and s.can_allocate(req, need):
+        if len(s.running) < s.config.max_num_seqs and need and s.kv.can_allocate(req, need):
             s.admit(req)
-            s.take(batch, req, need)
+            s.add_to_batch(batch, req, need)
             budget -= need
     return batch
 
 
 def skips_instead_of_preempting(s):
-    batch = ScheduledBatch([], [])
-    budget = s.max_num_batched_tokens
+    batch = SchedulerOutput()
+    budget = s.config.max_num_batched_tokens
     for req in list(s.running):
         need = s.num_new_tokens(req, budget, batch)
-        if need and s.can_allocate(req, need):
-            s.take(batch, req, need)
+        if need and s.kv.can_allocate(req, need):
+            s.add_to_batch(batch, req, need)
             budget -= need
     _admit_fcfs(s, batch, budget)
     return batch
 
 
 def static_batches(s):
-    batch = ScheduledBatch([], [])
+    batch = SchedulerOutput()
     idle = not s.running
-    budget = _running_first(s, batch, s.max_num_batched_tokens)
+    budget = _running_first(s, batch, s.config.max_num_batched_tokens)
     if idle:
         _admit_fcfs(s, batch, budget)
     return batch
 
 
 def admits_before_running(s):
-    batch = ScheduledBatch([], [])
+    batch = SchedulerOutput()
     old = list(s.running)
-    budget = _admit_fcfs(s, batch, s.max_num_batched_tokens)
+    budget = _admit_fcfs(s, batch, s.config.max_num_batched_tokens)
     for req in old:
         need = s.num_new_tokens(req, budget, batch)
-        if need and s.can_allocate(req, need):
-            s.take(batch, req, need)
+        if need and s.kv.can_allocate(req, need):
+            s.add_to_batch(batch, req, need)
             budget -= need
     return batch
 
 
 def preempts_the_oldest(s):
-    batch = ScheduledBatch([], [])
-    _admit_fcfs(s, batch, _running_first(s, batch, s.max_num_batched_tokens, victim=lambda s: s.running[0]))
+    batch = SchedulerOutput()
+    _admit_fcfs(s, batch, _running_first(s, batch, s.config.max_num_batched_tokens, victim=lambda s: s.running[0]))
     return batch
 
 
 def ignores_max_num_seqs(s):
-    batch = ScheduledBatch([], [])
-    _admit_fcfs(s, batch, _running_first(s, batch, s.max_num_batched_tokens), max_seqs=10**9)
+    batch = SchedulerOutput()
+    _admit_fcfs(s, batch, _running_first(s, batch, s.config.max_num_batched_tokens), max_seqs=10**9)
     return batch
 
 
 def feeds_one_token_at_a_time(s):
-    batch = ScheduledBatch([], [])
-    for req in list(s.running) + list(s.waiting)[:s.max_num_seqs - len(s.running)]:
-        if req in s.waiting and s.can_allocate(req, 1):
+    batch = SchedulerOutput()
+    for req in list(s.running) + list(s.waiting)[:s.config.max_num_seqs - len(s.running)]:
+        if req in s.waiting and s.kv.can_allocate(req, 1):
             s.admit(req)
-        if req in s.running and s.can_allocate(req, 1):
-            s.take(batch, req, 1)
+        if req in s.running and s.kv.can_allocate(req, 1):
+            s.add_to_batch(batch, req, 1)
     return batch
 
 

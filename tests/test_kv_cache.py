@@ -2,7 +2,8 @@
 import pytest
 
 from labsupport import LLM, SamplingParams
-from labsupport.engine.blocks import BlockAllocator, KVCacheManager, slot_mapping
+from labsupport.engine.block_pool import BlockAllocator, slot_mapping
+from labsupport.engine.kv_cache_manager import KVCacheManager
 from labsupport.engine.request import Request
 
 from conftest import PROMPTS
@@ -25,7 +26,7 @@ def test_every_backend_generates_the_same_tokens(kv_cache, reference_tokens):
 def test_contiguous_cache_is_released_when_requests_finish():
     llm = LLM(device="cpu", kv_cache="contiguous")
     llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
-    assert llm.engine.backend.reserved_bytes == 0 and not llm.engine.backend.caches
+    assert llm.engine.kv.reserved_bytes == 0 and not llm.engine.kv.caches
 
 
 def test_all_blocks_are_free_after_every_request_finishes(llm):
@@ -114,7 +115,7 @@ def test_kv_manager_allocates_only_the_blocks_new_tokens_need():
     assert len(req.block_table) == 4
     snap = kv.snapshot()
     assert sum(1 for o in snap["owners"] if o) == 4
-    kv.free(req)
+    kv.release(req)
     assert kv.allocator.num_free == 8
 
 

@@ -126,16 +126,28 @@ def test_an_oversized_recompute_still_runs_alone():
     assert [len(o.token_ids) for o in outputs] == [30, 40]
 
 
-def test_timeline_html_shows_slots_prefill_and_preemptions():
-    from labsupport.engine.engine import StepRecord
+def step_record(i, scheduled, running, waiting, preempted, finished):
+    """A SchedulerOutput as the engine leaves it after a step, built by hand."""
+    from labsupport.engine.request import Request
+    from labsupport.engine.scheduler import SchedulerOutput
 
+    def req(rid):
+        return Request([1], SamplingParams(), request_id=rid)
+
+    return SchedulerOutput(requests=[req(r) for r in scheduled], num_new_tokens=[n for n, _ in scheduled.values()],
+                           is_prefill=[p for _, p in scheduled.values()], preempted=[req(r) for r in preempted],
+                           running=running, waiting=waiting, finished=[req(r) for r in finished],
+                           index=i, start=0.0, end=0.1)
+
+
+def test_timeline_html_shows_slots_prefill_and_preemptions():
     timeline = BatchTimeline("fixture", num_slots=2)
     steps = [({"a": (5, True), "b": (7, True)}, ["a", "b"], ["c"], [], []),
              ({"a": (1, False)}, ["a", "b"], ["c"], [], []),
              ({"a": (1, False), "c": (9, True)}, ["a", "c"], ["b"], ["b"], ["a"]),
              ({"c": (1, False)}, ["c"], ["b"], [], [])]
     for i, (scheduled, running, waiting, preempted, finished) in enumerate(steps):
-        timeline.record(StepRecord(i, 0.0, 0.1, scheduled, running, waiting, preempted, finished))
+        timeline.record(step_record(i, scheduled, running, waiting, preempted, finished))
     assert timeline.cells[3] == (1, 1, "b", "stalled")
     assert timeline.preemptions == [(2, 1, "b")] and (2, 1, "c", "prefill") in timeline.cells
     page = timeline.render_html()
@@ -145,7 +157,7 @@ def test_timeline_html_shows_slots_prefill_and_preemptions():
     assert "4 steps · 3 requests · mean batch 1.5 · slot use 75 % · 1 preemptions" in page
     assert timeline.plot() is not None
     wide = BatchTimeline(num_slots=64)  # a big max_num_seqs draws only the slots in use
-    wide.record(StepRecord(0, 0.0, 0.1, {"a": (3, True)}, ["a"], [], [], []))
+    wide.record(step_record(0, {"a": (3, True)}, ["a"], [], [], []))
     assert wide.slots_drawn() == 1 and BatchTimeline(num_slots=3).slots_drawn() == 3
 
 

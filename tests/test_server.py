@@ -43,6 +43,25 @@ def test_streamed_chunks_add_up_to_the_full_answer_with_usage(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
 
 
+def test_streaming_with_a_stop_string_never_sends_text_the_stop_cuts(client):
+    """The stream holds back what may begin a stop string, so streamed text equals the full answer."""
+    prompt = "Count: 1, 2, 3, 4, 5, 6, 7, 8"
+    full = client.completions.create(model="smol", prompt=prompt, max_tokens=24, temperature=0)
+    stop = full.choices[0].text[4:7]  # three characters in the middle of the answer
+    cut = client.completions.create(model="smol", prompt=prompt, max_tokens=24, temperature=0, stop=[stop])
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="smol", prompt=prompt, max_tokens=24, temperature=0, stop=[stop], stream=True) if c.choices)
+    assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
+    assert streamed == cut.choices[0].text == full.choices[0].text[:full.choices[0].text.find(stop)]
+
+
+def test_message_content_as_a_list_of_text_parts(client):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name a fruit"}, {"type": "text", "text": " that is yellow."}]}]
+    a = client.chat.completions.create(model="smol", messages=parts, max_tokens=8, temperature=0)
+    b = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=8, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
 def test_text_completion_endpoint(llm, client):
     resp = client.completions.create(model="smol", prompt="The capital of France is", max_tokens=8, temperature=0)
     ref = llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
@@ -61,6 +80,9 @@ def test_unknown_model_is_404_with_openai_error(client):
     ({"messages": QUESTION, "temperature": -1}, "temperature"),
     ({"messages": [{"role": "user", "content": "word " * 9000}]}, "shorten"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ({"messages": QUESTION, "seed": 2**63}, "seed"),
+    ({"messages": QUESTION, "seed": 10**30}, "seed"),
+    ({"messages": QUESTION, "stop": [""]}, "stop"),
 ])
 def test_bad_requests_get_400_json_errors(server, body, needle):
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": "smol", **body}, timeout=30)

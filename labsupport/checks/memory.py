@@ -8,7 +8,7 @@ from .base import CheckFailed, first_difference, passed
 
 def check_slot_mapping(slot_mapping):
     """``slot_mapping(block_table, start, n, block_size)`` -> pool slot of each of the n tokens."""
-    from ..engine.blocks import slot_mapping as reference
+    from ..engine.block_pool import slot_mapping as reference
 
     cases = [([0], 0, 3, 4), ([5, 2], 0, 8, 4), ([5, 2, 9], 3, 6, 4), ([7, 1], 15, 1, 16), ([3, 8, 4], 31, 2, 16),
              ([2, 6], 4, 1, 4)]

@@ -10,9 +10,10 @@ given an ``llm``, it runs the real engine on the attendee's policy and compares 
 """
 from __future__ import annotations
 
-from ..engine.blocks import KVCacheManager
+from ..engine.engine import EngineConfig
+from ..engine.kv_cache_manager import KVCacheManager
 from ..engine.request import Request, SamplingParams
-from ..engine.scheduler import ScheduledBatch, Scheduler
+from ..engine.scheduler import Scheduler
 from ..engine.scheduler import chunk_rule as reference_chunk_rule
 from .base import CheckFailed, passed
 
@@ -33,7 +34,9 @@ def _fail(scenario, step, message):
 def _simulate(schedule_fn, name, max_seqs, budget, num_blocks, block_size, arrivals, max_steps=400):
     """Run one scenario through ``schedule_fn``; raise CheckFailed at the first broken invariant."""
     kv = KVCacheManager(num_blocks, block_size)
-    s = Scheduler(max_seqs, budget, kv)
+    config = EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, block_size=block_size,
+                          num_blocks=num_blocks, max_model_len=10**6)
+    s = Scheduler(config, kv)
     s.schedule_fn = schedule_fn
     pending = sorted(arrivals)
     requests = []
@@ -43,7 +46,7 @@ def _simulate(schedule_fn, name, max_seqs, budget, num_blocks, block_size, arriv
             req = Request(list(range(1, n + 1)), SamplingParams(max_tokens=m, ignore_eos=True),
                           request_id=f"r{len(requests)}")
             requests.append(req)
-            s.add(req)
+            s.add_request(req)
         if not s.has_unfinished():
             if not pending:
                 break
@@ -53,17 +56,14 @@ def _simulate(schedule_fn, name, max_seqs, budget, num_blocks, block_size, arriv
         try:
             batch = s.schedule()
         except MemoryError:
-            _fail(name, step, "a block was allocated with none free: check can_allocate(req, n) before take(), "
-                              "and preempt the newest running request when blocks run out")
-        if not isinstance(batch, ScheduledBatch):
-            _fail(name, step, f"schedule must return a ScheduledBatch, got {type(batch).__name__}")
+            _fail(name, step, "a block was allocated with none free: check s.kv.can_allocate(req, n) before "
+                              "s.add_to_batch(), and preempt the newest running request when blocks run out")
+        except TypeError as exc:
+            if "SchedulerOutput" not in str(exc):
+                raise  # a bug inside the attendee's function: show its own traceback
+            _fail(name, step, str(exc))
         _check_step(s, batch, name, step, running_before, waiting_before, remaining)
-        for req, n in zip(batch.requests, batch.num_new_tokens):  # the model's part
-            req.num_computed_tokens += n
-            if req.num_computed_tokens == req.num_tokens:
-                req.output_token_ids.append(0)
-                if len(req.output_token_ids) >= req.params.max_tokens:
-                    s.finish(req, "length")
+        s.update_from_output(batch, [0] * len(batch.requests))  # the model's part: token 0 for everyone
     else:
         stuck = [r.request_id for r in requests if not r.is_finished]
         raise CheckFailed(f"[{name}] after {max_steps} steps {stuck} have still not finished: starvation")
@@ -74,11 +74,11 @@ def _simulate(schedule_fn, name, max_seqs, budget, num_blocks, block_size, arriv
 
 
 def _check_step(s, batch, name, step, running_before, waiting_before, remaining):
-    budget, bs = s.max_num_batched_tokens, s.kv.block_size
+    budget, bs = s.config.max_num_batched_tokens, s.kv.block_size
     ids = [r.request_id for r in batch.requests]
     if len(batch.requests) != len(batch.num_new_tokens):
         _fail(name, step, "batch.requests and batch.num_new_tokens must have one entry per request")
-    if not batch:
+    if not batch.requests:
         _fail(name, step, f"nothing was scheduled although {len(s.running)} requests run and {len(s.waiting)} "
                           "wait: the engine would stop here (a deadlock)")
     if len(set(ids)) != len(ids):
@@ -86,10 +86,10 @@ def _check_step(s, batch, name, step, running_before, waiting_before, remaining)
     if batch.total_tokens > budget:
         _fail(name, step, f"the batch has {batch.total_tokens} tokens, over max_num_batched_tokens={budget}: "
                           "count each request's tokens against the budget, and stop when it is spent")
-    if len(s.running) > s.max_num_seqs:
-        _fail(name, step, f"{len(s.running)} requests run, over max_num_seqs={s.max_num_seqs}")
+    if len(s.running) > s.config.max_num_seqs:
+        _fail(name, step, f"{len(s.running)} requests run, over max_num_seqs={s.config.max_num_seqs}")
     for req, n in zip(batch.requests, batch.num_new_tokens):
-        if req in s.preempted_this_step:
+        if req in s.preempted:
             _fail(name, step, f"{req.request_id} was preempted after it was put in this step's batch: its blocks "
                               "are gone. Preempt the newest running request (s.running[-1]), which has not "
                               "been scheduled yet")
@@ -97,14 +97,14 @@ def _check_step(s, batch, name, step, running_before, waiting_before, remaining)
             _fail(name, step, f"{req.request_id} is in the batch but not in s.running: admit it with s.admit(req)")
         if n != remaining[req.request_id]:
             _fail(name, step, f"{req.request_id} needs {remaining[req.request_id]} tokens fed but got {n}: "
-                              "use s.num_new_tokens(req, budget_left, batch)")
+                              "use s.num_new_tokens(req, budget_left, out)")
         if len(req.block_table) * bs < req.num_computed_tokens + n:
             _fail(name, step, f"{req.request_id} has no blocks for its new tokens: put it in the batch "
-                              "with s.take(batch, req, n), which allocates them")
+                              "with s.add_to_batch(out, req, n), which allocates them")
     left = budget - batch.total_tokens
     for req in running_before:
         if req in s.running and req not in batch.requests and remaining[req.request_id] <= left:
-            if not s.can_allocate(req, remaining[req.request_id]):
+            if not s.kv.can_allocate(req, remaining[req.request_id]):
                 _fail(name, step, f"running request {req.request_id} was skipped for lack of a free block: when "
                                   "blocks run out, preempt the newest running request (s.preempt(s.running[-1])) "
                                   "until it fits; skipping it would stall everyone once the pool is full")
@@ -119,17 +119,17 @@ def _check_step(s, batch, name, step, running_before, waiting_before, remaining)
     if admitted != queue[:len(admitted)]:
         _fail(name, step, f"admitted {admitted} from the queue {queue}: admit in arrival order (FCFS), "
                           "and when the head does not fit, stop: nobody overtakes it")
-    if s.waiting and len(s.running) < s.max_num_seqs:
+    if s.waiting and len(s.running) < s.config.max_num_seqs:
         head = s.waiting[0]
         need = head.num_tokens - head.num_computed_tokens
-        if need <= left and s.can_allocate(head, need) and not s.preempted_this_step:
+        if need <= left and s.kv.can_allocate(head, need) and not s.preempted:
             _fail(name, step, f"{head.request_id} waits although a slot, {left} tokens of budget and the blocks "
                               "it needs are free: admit waiting requests as soon as they fit (static batching "
                               "would wait for the whole batch)")
 
 
 def check_schedule(schedule_fn, llm=None):
-    """Chapter 04: ``schedule_fn(scheduler) -> ScheduledBatch``, written with the scheduler's helpers."""
+    """Chapter 04: ``schedule_fn(scheduler) -> SchedulerOutput``, written with the scheduler's helpers."""
     preemptions = 0
     for scenario in SCENARIOS:
         preemptions += _simulate(schedule_fn, *scenario).num_preemptions
@@ -138,8 +138,7 @@ def check_schedule(schedule_fn, llm=None):
                           "preempted: free the newest running request's blocks with s.preempt(victim)")
     message = f"schedule keeps every invariant over {len(SCENARIOS)} scenarios ({preemptions} preemptions)"
     if llm is not None:
-        _same_tokens_in_engine(llm, lambda s: setattr(s, "schedule_fn", schedule_fn),
-                               "your schedule()", num_blocks=6)
+        _same_tokens_in_engine(llm, {"schedule_fn": schedule_fn}, "your schedule()", num_blocks=6)
         message += ", and the real engine on it gives the reference tokens"
     passed(message)
 
@@ -166,16 +165,17 @@ def check_chunk_rule(rule, llm=None):
                               f"returned {got!r}, expected {want} ({why})")
     message = f"the chunking rule is right in {len(cases)} cases"
     if llm is not None:
-        _same_tokens_in_engine(llm, lambda s: setattr(s, "chunk_rule", rule), "your chunking rule",
+        _same_tokens_in_engine(llm, {"chunk_rule": rule}, "your chunking rule",
                                chunked=True, budget=48, threshold=32)
         message += ", and the real engine on it gives the reference tokens"
     passed(message)
 
 
-def _same_tokens_in_engine(llm, plug, what, num_blocks=None, chunked=False, budget=None, threshold=0):
-    """Run a small batch on ``llm``'s engine with the attendee's piece plugged in, then without."""
+def _same_tokens_in_engine(llm, pieces, what, num_blocks=None, chunked=False, budget=None, threshold=0):
+    """Run a small batch on ``llm``'s engine with the attendee's pieces plugged in, then without."""
     engine = llm.engine
-    if engine.kv is None or engine.kv.prefix_cache is not None or engine.has_unfinished_requests():
+    kv = engine.kv
+    if not isinstance(kv, KVCacheManager) or kv.prefix_cache is not None or engine.has_unfinished_requests():
         raise ValueError("the check needs an idle engine with kv_cache='paged' and no prefix caching")
     texts = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village",
              "The three primary colours are"]
@@ -183,36 +183,32 @@ def _same_tokens_in_engine(llm, plug, what, num_blocks=None, chunked=False, budg
         texts[1] = "The printing press changed how knowledge spread across Europe. " * 10 + texts[1]
     prompts = [engine.tokenizer(p).input_ids for p in texts]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    s = engine.scheduler
-    saved = (s.schedule_fn, s.chunk_rule, s.enable_chunked_prefill, s.max_num_batched_tokens,
-             s.long_prefill_token_threshold, engine.kv.allocator)
-    try:
-        runs = []
+    options = {"long_prefill_token_threshold": threshold}
+    if chunked:
+        options["enable_chunked_prefill"] = True
+    if budget:
+        options["max_num_batched_tokens"] = budget
+    runs = []
+    with engine.options(**options):
         for plugged in (True, False):
-            if num_blocks is not None:
-                engine.use_block_allocator(type(saved[5])(num_blocks))  # a small pool: preemption happens
-            s.enable_chunked_prefill = chunked or s.enable_chunked_prefill
-            s.max_num_batched_tokens = budget or s.max_num_batched_tokens
-            s.long_prefill_token_threshold = threshold
-            if plugged:
-                plug(s)
-            reqs = [engine.add_request(p, params) for p in prompts]
-            steps = partial = 0
-            while engine.has_unfinished_requests():
-                engine.step()
-                steps += 1
-                partial += any(0 < r.num_computed_tokens < r.num_tokens - 1 for r in reqs)
-                if steps > 2000:
-                    raise CheckFailed(f"the engine on {what} did not finish 4 requests in 2,000 steps")
-            if engine.kv.allocator.num_free != engine.kv.num_blocks:
-                raise CheckFailed(f"the engine on {what} finished with blocks still allocated")
+            small_pool = {} if num_blocks is None else {"block_allocator": type(kv.allocator)(num_blocks)}
+            with engine.plugged(**small_pool, **(pieces if plugged else {})):  # a small pool: preemption happens
+                reqs = [engine.add_request(p, params) for p in prompts]
+                steps = partial = 0
+                try:
+                    while engine.has_unfinished_requests():
+                        engine.step()
+                        steps += 1
+                        partial += any(0 < r.num_computed_tokens < r.num_tokens - 1 for r in reqs)
+                        if steps > 2000:
+                            raise CheckFailed(f"the engine on {what} did not finish 4 requests in 2,000 steps")
+                finally:
+                    engine.abort_requests(reqs)  # after an error nothing of the check stays queued
+                if engine.kv.allocator.num_free != engine.kv.num_blocks:
+                    raise CheckFailed(f"the engine on {what} finished with blocks still allocated")
             if plugged and chunked and not partial:
-                raise CheckFailed(f"with {what}, a {len(prompts[1])}-token prompt and a {s.max_num_batched_tokens}-"
+                raise CheckFailed(f"with {what}, a {len(prompts[1])}-token prompt and a {budget}-"
                                   "token budget, no prompt was ever fed in chunks")
             runs.append([r.output_token_ids for r in reqs])
-            s.schedule_fn, s.chunk_rule = saved[0], saved[1]
-    finally:
-        (s.schedule_fn, s.chunk_rule, s.enable_chunked_prefill, s.max_num_batched_tokens,
-         s.long_prefill_token_threshold, engine.kv.allocator) = saved
     if runs[0] != runs[1]:
         raise CheckFailed(f"the engine on {what} generated different tokens from the reference scheduler")

@@ -10,12 +10,12 @@ The model computes q, k, v for the tokens of this forward pass and calls
 * ``PagedAttention`` (chapter 02, ``paged_attention.py``) keeps K/V in fixed-size blocks of
   one shared pool, found through each request's block table.
 
-Each backend turns the scheduled requests into its own metadata (``prepare``) and is told when
-a request leaves (``free``); the model, runner and sampler never change.
+Each backend turns the scheduled requests into its own metadata (``prepare``); the memory itself
+is reserved and freed by the scheduler's KV manager (``kv_cache_manager.py``). The model, runner
+and sampler never change.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -45,9 +45,7 @@ class AttentionBatch:
 
 
 class AttentionBackend:
-    """Interface. ``keeps_kv`` tells the engine whether computed tokens stay computed."""
-
-    keeps_kv = False
+    """Interface: ``prepare`` once per step, then ``attend`` once per layer."""
 
     def prepare(self, requests, num_new_tokens: list[int]) -> AttentionBatch:
         return AttentionBatch(list(num_new_tokens), [r.num_computed_tokens + n for r, n in zip(requests, num_new_tokens)],
@@ -55,9 +53,6 @@ class AttentionBackend:
 
     def attend(self, layer: int, q, k, v, batch: AttentionBatch) -> torch.Tensor:
         raise NotImplementedError
-
-    def free(self, request):
-        """The request left: release whatever the backend holds for it."""
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -76,8 +71,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 class RecomputeAttention(AttentionBackend):
     """No cache: the forward pass must contain every token of every sequence."""
-
-    keeps_kv = False
 
     def attend(self, layer, q, k, v, batch):
         out = torch.empty_like(q)
@@ -102,55 +95,20 @@ def cached_attention(cache_k, cache_v, start: int, q, k, v) -> torch.Tensor:
 
 
 class ContiguousAttention(AttentionBackend):
-    """One contiguous K/V tensor per request and layer, reserved for the request's longest
-    possible length (prompt + max_tokens) when it first runs, released when it leaves.
+    """Attention over one contiguous K/V tensor per request and layer, which the
+    ``ContiguousKVManager`` reserved for the request's longest possible length.
 
     ``attend_fn`` is the append-and-attend step for one sequence (``cached_attention`` or the
-    attendee's own). ``reserved_bytes`` counts what is reserved, ``used_bytes`` what holds tokens:
-    the gap is the waste chapter 02 removes.
+    attendee's own, chapter 01).
     """
 
-    keeps_kv = True
-
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype, device,
-                 max_model_len: int, attend_fn=cached_attention):
-        self.shape = (num_kv_heads, head_dim)
-        self.num_layers, self.dtype, self.device = num_layers, dtype, device
-        self.max_model_len, self.attend_fn = max_model_len, attend_fn
-        self.caches: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.lengths: dict[str, int] = {}
-
-    def prepare(self, requests, num_new_tokens):
-        batch = super().prepare(requests, num_new_tokens)
-        for req, ctx in zip(requests, batch.context_lens):
-            if req.request_id not in self.caches:
-                capacity = min(len(req.prompt_token_ids) + req.params.max_tokens, self.max_model_len)
-                self.caches[req.request_id] = [
-                    (torch.zeros(capacity, *self.shape, dtype=self.dtype, device=self.device),
-                     torch.zeros(capacity, *self.shape, dtype=self.dtype, device=self.device))
-                    for _ in range(self.num_layers)]
-            self.lengths[req.request_id] = ctx
-        return batch
+    def __init__(self, kv, attend_fn=cached_attention):
+        self.kv, self.attend_fn = kv, attend_fn
 
     def attend(self, layer, q, k, v, batch):
         out = torch.empty_like(q)
         for i, rid in enumerate(batch.request_ids):
             s, e = batch.query_offsets[i], batch.query_offsets[i + 1]
-            cache_k, cache_v = self.caches[rid][layer]
+            cache_k, cache_v = self.kv.caches[rid][layer]
             out[s:e] = self.attend_fn(cache_k, cache_v, batch.context_lens[i] - (e - s), q[s:e], k[s:e], v[s:e])
         return out
-
-    def free(self, request):
-        self.caches.pop(request.request_id, None)
-        self.lengths.pop(request.request_id, None)
-
-    def _bytes_per_token(self) -> int:
-        return 2 * self.num_layers * math.prod(self.shape) * torch.finfo(self.dtype).bits // 8
-
-    @property
-    def reserved_bytes(self) -> int:
-        return sum(layers[0][0].shape[0] for layers in self.caches.values()) * self._bytes_per_token()
-
-    @property
-    def used_bytes(self) -> int:
-        return sum(self.lengths.values()) * self._bytes_per_token()

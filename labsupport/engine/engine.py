@@ -1,12 +1,19 @@
-"""LLMEngine: one loop tells the whole story. ``step()`` = schedule -> run -> postprocess.
+"""LLMEngine: one loop tells the whole story. ``step()`` = schedule -> run -> update -> detokenize.
 
-``add_request`` checks and queues; ``step`` runs one forward pass for the scheduled batch and
-appends one token to every sequence it finished feeding; requests that hit EOS, a stop string,
-``max_tokens`` or the context length leave at once. ``last_step`` keeps the engine's own record
-of the step (a ``StepRecord``), which timelines and tests read instead of guessing.
+The scheduler decides what runs and owns every request's state; the runner turns its decision
+into one forward pass and one sampled token per sequence; ``update_from_output`` moves the
+requests forward and frees the finished; the detokenizers turn new tokens into new text and
+find stop strings. ``last_step`` is the step's ``SchedulerOutput``, the engine's own record.
+
+A step that raises (a bug, or an attendee's plugged-in function) fails only the requests it
+touched (finish reason ``"error"``, memory freed), then re-raises: the engine keeps serving.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
+import logging
 import time
 from dataclasses import dataclass
 
@@ -14,31 +21,25 @@ import torch
 
 from ..models.loader import load_model, resolve_device
 from .attention import ContiguousAttention, RecomputeAttention
-from .blocks import KVCacheManager, blocks_needed
+from .block_pool import blocks_needed
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache_manager import ContiguousKVManager, KVCacheManager, KVManager
 from .paged_attention import PagedAttention
 from .prefix_cache import CPUTier
-from .request import Request, RequestOutput, SamplingParams
+from .request import Request, RequestOutput, RequestStatus, SamplingParams
 from .runner import ModelRunner
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 
+log = logging.getLogger(__name__)
 
-@dataclass
-class StepRecord:
-    """What one step did, for timelines and tests: the engine's own account, not a reconstruction."""
-
-    index: int
-    start: float  # time.perf_counter() before scheduling
-    end: float  # after the forward pass and sampling
-    scheduled: dict[str, tuple[int, bool]]  # request id -> (tokens fed, was it prefill rather than a decode)
-    running: list[str]  # the running list after scheduling: the batch's slots
-    waiting: list[str]  # still queued, in queue order
-    preempted: list[str]  # sent back to the queue this step
-    finished: list[str]  # left this step
+RUNTIME_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
+                   "long_prefill_token_threshold", "scheduling_policy")
 
 
 @dataclass
 class EngineConfig:
-    """Engine options, with vLLM's names."""
+    """Engine options, with vLLM's names. The scheduler reads this object at every step; change an
+    option while the engine lives with ``LLMEngine.set_options``, which validates it first."""
 
     model: str | None = None
     device: str = "auto"
@@ -59,51 +60,61 @@ class EngineConfig:
     def __post_init__(self):
         if self.kv_cache not in ("paged", "contiguous", "none"):
             raise ValueError(f"kv_cache must be 'paged', 'contiguous' or 'none', got {self.kv_cache!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.scheduling_policy not in ("continuous", "static"):
+            raise ValueError(f"scheduling_policy must be 'continuous' or 'static', got {self.scheduling_policy!r}")
+        non_negative = ("cpu_offload_blocks", "long_prefill_token_threshold")
+        optional = ("num_blocks", "max_model_len", "kv_cache_memory_bytes")  # None: the engine picks
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size") + non_negative + optional:
+            value, low = getattr(self, name), 0 if name in non_negative else 1
+            if value is None and name in optional:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if (self.enable_prefix_caching or self.cpu_offload_blocks) and self.kv_cache != "paged":
             raise ValueError("prefix caching and the CPU tier need kv_cache='paged'")
-        if self.long_prefill_token_threshold < 0 or (self.long_prefill_token_threshold
-                                                     and not self.enable_chunked_prefill):
-            raise ValueError("long_prefill_token_threshold must be >= 0 and needs enable_chunked_prefill=True")
+        if self.enable_chunked_prefill and self.kv_cache == "none":
+            raise ValueError("chunked prefill needs a KV cache (kv_cache='paged' or 'contiguous'): without one "
+                             "a chunk's keys and values are gone before the next chunk needs them")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill=True")
         if self.cpu_offload_blocks and not self.enable_prefix_caching:
             raise ValueError("cpu_offload_blocks needs enable_prefix_caching=True: the CPU tier holds cached blocks")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, backend=None):
-        self.config = config
+    def __init__(self, config: EngineConfig):
         self.device = resolve_device(config.device)
         self.model, self.tokenizer, self.model_path = load_model(config.model, self.device, config.dtype)
         limit = self.model.config.max_position_embeddings
-        self.max_model_len = min(config.max_model_len or min(limit, 8192), limit)
-        self.eos_token_ids = self._eos_token_ids()
-        self.kv = None
-        self.backend = backend or self._make_backend()
+        self.config = dataclasses.replace(config, max_model_len=min(config.max_model_len or min(limit, 8192), limit))
+        self.max_model_len = self.config.max_model_len
+        self.kv, self.backend = self._make_kv_and_backend()
         self.runner = ModelRunner(self.model, self.backend, self.device)
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.kv,
-                                   config.enable_chunked_prefill, config.scheduling_policy,
-                                   config.long_prefill_token_threshold)
-        self.counters = {"prompt_tokens_computed": 0, "generation_tokens": 0, "num_steps": 0}
-        self.last_step: StepRecord | None = None
+        self.scheduler = Scheduler(self.config, self.kv, self._eos_token_ids())
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.num_steps = 0
+        self.last_step: SchedulerOutput | None = None
 
-    def _make_backend(self):
+    def _make_kv_and_backend(self):
         cfg, c = self.model.config, self.config
         dtype = next(self.model.parameters()).dtype
         if c.kv_cache == "none":
-            return RecomputeAttention()
+            return KVManager(), RecomputeAttention()
         if c.kv_cache == "contiguous":
-            return ContiguousAttention(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, self.device,
-                                       self.max_model_len)
+            kv = ContiguousKVManager(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, self.device,
+                                     self.max_model_len)
+            return kv, ContiguousAttention(kv)
         num_blocks = c.num_blocks or self._blocks_in_budget(dtype)
         backend = PagedAttention(cfg.num_layers, num_blocks, c.block_size, cfg.num_kv_heads, cfg.head_dim,
                                  dtype, self.device)
         cpu_tier = (CPUTier(c.cpu_offload_blocks, backend.k_pool, backend.v_pool, c.block_size)
                     if c.cpu_offload_blocks else None)
-        self.kv = KVCacheManager(num_blocks, c.block_size, enable_prefix_caching=c.enable_prefix_caching,
-                                 cpu_tier=cpu_tier)
-        return backend
+        kv = KVCacheManager(num_blocks, c.block_size, enable_prefix_caching=c.enable_prefix_caching,
+                            cpu_tier=cpu_tier)
+        return kv, backend
 
     def _blocks_in_budget(self, dtype) -> int:
         cfg = self.model.config
@@ -115,40 +126,113 @@ class LLMEngine:
             raise ValueError(f"kv_cache_memory_bytes={budget} holds no block of {per_block} bytes")
         return budget // per_block
 
-    def use_block_allocator(self, allocator):
-        """Swap in another block allocator (chapter 02's exercise) while the engine is idle."""
-        if self.kv is None or self.has_unfinished_requests():
-            raise ValueError("the engine must be idle and use kv_cache='paged'")
-        self.kv.allocator = allocator
-
     def _eos_token_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         gen = self.model_path / "generation_config.json"
         if gen.exists():
-            import json
             eos = json.loads(gen.read_text()).get("eos_token_id")
             ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         return ids
 
+    # ------------------------------------------------------------------ options and plug points
+
+    def set_options(self, **changes) -> dict:
+        """Change scheduling options of a live engine (chapter 04's ``max_num_seqs`` dial); returns the
+        old values. The whole new configuration is validated before anything changes."""
+        unknown = set(changes) - set(RUNTIME_OPTIONS)
+        if unknown:
+            raise ValueError(f"{sorted(unknown)} cannot change while the engine lives; these can: {RUNTIME_OPTIONS}")
+        dataclasses.replace(self.config, **changes)  # raises ValueError, saying what is wrong
+        old = {name: getattr(self.config, name) for name in changes}
+        for name, value in changes.items():
+            setattr(self.config, name, value)
+        return old
+
+    @contextlib.contextmanager
+    def options(self, **changes):
+        """``with engine.options(max_num_seqs=4): ...`` -- the old values come back on exit."""
+        old = self.set_options(**changes)
+        try:
+            yield self
+        finally:
+            self.config.__dict__.update(old)
+
+    def _plug_points(self) -> dict:
+        """Name -> (object, attribute) of every piece an exercise may replace, on this engine."""
+        points = {"schedule_fn": (self.scheduler, "schedule_fn"),  # ch. 04: the whole scheduling policy
+                  "chunk_rule": (self.scheduler, "chunk_rule")}  # ch. 05: tokens one request feeds
+        if isinstance(self.backend, ContiguousAttention):
+            points["attend_fn"] = (self.backend, "attend_fn")  # ch. 01: append to the cache and attend
+        if isinstance(self.kv, KVCacheManager):
+            points |= {"slot_mapping": (self.backend, "slot_mapping"),  # ch. 02: token -> pool slot
+                       "block_allocator": (self.kv, "allocator"),  # ch. 02: an allocator instance
+                       "chain_hashes": (self.kv, "chain_hashes"),  # ch. 03: block hashes
+                       "longest_prefix": (self.kv, "longest_prefix")}  # ch. 03: the cached run
+        return points
+
+    def plug(self, **pieces) -> dict:
+        """Put the attendee's pieces into this engine; returns the pieces they replaced.
+
+        Prefer ``plugged`` for an engine that is used afterwards: it puts the engine's own back."""
+        points = self._plug_points()
+        for name, piece in pieces.items():
+            if name not in points:
+                raise ValueError(f"no plug point {name!r} on this engine (kv_cache={self.config.kv_cache!r}); "
+                                 f"it has {sorted(points)}")
+            if name != "block_allocator" and piece is not None and not callable(piece):
+                raise ValueError(f"{name} must be a function, got {type(piece).__name__}")
+        old = {name: getattr(*points[name]) for name in pieces}
+        for name, piece in pieces.items():
+            if name == "block_allocator":
+                if piece.num_blocks > self.backend.num_blocks:
+                    raise ValueError(f"the allocator has {piece.num_blocks} blocks; "
+                                     f"the pool holds {self.backend.num_blocks}")
+                self.kv.use_allocator(piece)  # raises unless the engine is idle
+            else:
+                setattr(*points[name], piece)
+        return old
+
+    @contextlib.contextmanager
+    def plugged(self, **pieces):
+        """``with engine.plugged(schedule_fn=my_schedule): ...`` runs the engine on the attendee's pieces
+        and puts the engine's own back on exit, also when the attendee's code raised. Requests still
+        in flight at exit ran on the plugged pieces; with a swapped allocator they are aborted."""
+        old = self.plug(**pieces)
+        try:
+            yield self
+        finally:
+            if "block_allocator" in old and self.kv.tables:
+                self.abort_requests(list(self.kv.tables.values()))
+            self.plug(**old)
+
+    # ------------------------------------------------------------------ requests
+
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, prompt: str | None = None,
                     cache_salt: str | None = None) -> Request:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         self.check_prompt(prompt_token_ids)
         req = Request(prompt_token_ids, params, request_id, prompt, cache_salt)
-        self.scheduler.add(req)
+        self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                                                   params.stop)
+        self.scheduler.add_request(req)
         return req
 
     def check_prompt(self, prompt_token_ids: list[int]):
         """Raise ValueError, saying what to change, for a prompt this engine can never run."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: give at least one token of text")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
+            raise ValueError("prompt token ids must be integers")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is "
                              f"{self.max_model_len}: shorten the prompt or raise max_model_len")
         if not self.config.enable_chunked_prefill and len(prompt_token_ids) > self.config.max_num_batched_tokens:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, more than max_num_batched_tokens="
                              f"{self.config.max_num_batched_tokens}: raise it or set enable_chunked_prefill=True")
-        if self.kv is not None and blocks_needed(len(prompt_token_ids) + 1, self.kv.block_size) > self.kv.num_blocks:
+        if (isinstance(self.kv, KVCacheManager)
+                and blocks_needed(len(prompt_token_ids) + 1, self.kv.block_size) > self.kv.num_blocks):
             raise ValueError(f"the prompt needs more KV blocks than the pool has ({self.kv.num_blocks}): "
                              "raise num_blocks or kv_cache_memory_bytes, or shorten the prompt")
         vocab = self.model.config.vocab_size
@@ -158,65 +242,66 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ------------------------------------------------------------------ the loop
+
     def step(self) -> list[Request]:
         """One forward pass. Returns the requests that received a token (finished ones included)."""
         began = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        scheduled = {r.request_id: (n, not (n == 1 and r.num_computed_tokens == r.num_tokens - 1))
-                     for r, n in zip(batch.requests, batch.num_new_tokens)}
-        running = [r.request_id for r in self.scheduler.running]
-        tokens = self.runner.execute(batch)
-        now = time.perf_counter()
-        self.counters["num_steps"] += 1
-        touched = []
-        for req, n, token in zip(batch.requests, batch.num_new_tokens, tokens):
-            done_feeding = req.num_computed_tokens + n == req.num_tokens
-            # prompt tokens that went through the model this step (recompute counts them every step)
-            start = req.num_computed_tokens
-            self.counters["prompt_tokens_computed"] += max(0, min(len(req.prompt_token_ids), start + n) - start)
-            req.num_computed_tokens = req.num_computed_tokens + n if self.backend.keeps_kv else 0
-            if self.kv is not None:
-                self.kv.cache_full_blocks(req)
-            if done_feeding:  # a partial prompt chunk samples nothing
-                self._append_token(req, token, now)
-                touched.append(req)
-        self.last_step = StepRecord(self.counters["num_steps"] - 1, began, time.perf_counter(), scheduled, running,
-                                    [r.request_id for r in self.scheduler.waiting],
-                                    [r.request_id for r in self.scheduler.preempted_this_step],
-                                    [r.request_id for r in touched if r.is_finished])
-        return touched
+        out = None
+        try:
+            out = self.scheduler.schedule()                               # policy: who runs, how many tokens
+            if not out.requests:
+                return []
+            sampled = self.runner.execute(out)                            # mechanism: one forward pass
+            got_token = self.scheduler.update_from_output(out, sampled)  # the one writer of request state
+            self.detokenize(got_token, out)                               # new text, stop strings
+        except BaseException as exc:
+            self._fail_step(out, exc)
+            raise
+        out.index, out.start, out.end = self.num_steps, began, time.perf_counter()
+        self.num_steps += 1
+        self.last_step = out
+        return got_token
 
-    def _append_token(self, req: Request, token: int, now: float):
-        req.output_token_ids.append(token)
-        self.counters["generation_tokens"] += 1
-        req.metrics.token_times.append(now)
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
-        req.text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-        reason = None
-        if token in self.eos_token_ids and not req.params.ignore_eos:
-            reason = "stop"
-        elif any(s in req.text for s in req.params.stop):
-            cut = min(req.text.find(s) for s in req.params.stop if s in req.text)
-            req.text, reason = req.text[:cut], "stop"
-        elif len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
-            reason = "length"
-        if reason:
-            req.metrics.finished_time = now
-            self._release(req, reason)
+    def detokenize(self, requests: list[Request], out: SchedulerOutput):
+        """New text for each request's new token; a stop string ends the request here."""
+        for req in requests:
+            detok = self.detokenizers[req.request_id]
+            _, stopped = detok.update(req.output_token_ids, flush=req.is_finished)
+            req.text = detok.text
+            if stopped and not req.is_finished:
+                self.scheduler.finish(req, "stop")
+                out.finished.append(req)
+            if req.is_finished:
+                self._forget(req)
 
-    def _release(self, req: Request, reason: str):
-        self.scheduler.finish(req, reason)  # frees its KV blocks
-        self.backend.free(req)
-        self.runner.sampler.release(req)
+    def _fail_step(self, out: SchedulerOutput | None, exc: BaseException):
+        """Fail the requests of a step that raised; the others, and the engine, go on.
+
+        Which requests a failed *schedule* touched is unknown, so then the running ones fail (the
+        head of the queue if none runs): every failed step finishes at least one request, and a
+        policy that always raises cannot hang a server."""
+        interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
+        victims = list(out.requests) if out is not None and out.requests else list(self.scheduler.running)
+        if not victims and self.scheduler.waiting and not interrupted:
+            victims = [self.scheduler.waiting[0]]
+        if not interrupted:
+            log.error("engine step failed (%s: %s); failing %d requests", type(exc).__name__, exc, len(victims))
+        self.abort_requests(victims, "abort" if interrupted else "error")
+
+    def abort_requests(self, requests: list[Request], reason: str = "abort"):
+        """Finish requests now (a client went away, ``generate`` was interrupted): their memory is freed."""
+        for req in requests:
+            if not req.is_finished:
+                self.scheduler.finish(req, reason)
+            self._forget(req)
 
     def abort(self, req: Request):
-        """Drop a request (a client went away): it leaves the queues and frees what it held."""
-        if not req.is_finished:
-            req.metrics.finished_time = time.perf_counter()
-            self._release(req, "abort")
+        self.abort_requests([req])
+
+    def _forget(self, req: Request):
+        self.detokenizers.pop(req.request_id, None)
+        self.runner.sampler.release(req)
 
     @staticmethod
     def output(req: Request) -> RequestOutput:
@@ -224,13 +309,7 @@ class LLMEngine:
                              list(req.output_token_ids), req.finish_reason, req.metrics)
 
     def stats(self) -> dict:
-        kv = {"kv_blocks_total": self.kv.num_blocks, "kv_blocks_free": self.kv.allocator.num_free,
-              "block_size": self.kv.block_size, **self.kv.counters,
-              "cpu_tier_blocks": len(self.kv.cpu_tier) if self.kv.cpu_tier else 0} if self.kv else {}
-        return {
-            **kv,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_requests_running": len(self.scheduler.running),
-            "num_requests_waiting": len(self.scheduler.waiting),
-            **self.counters,
-        }
+        return {**self.kv.stats(), **self.scheduler.stats(), "num_steps": self.num_steps}
+
+
+__all__ = ["EngineConfig", "LLMEngine", "RequestStatus", "SchedulerOutput"]

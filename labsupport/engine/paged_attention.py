@@ -13,12 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from .attention import AttentionBackend, AttentionBatch
-from .blocks import slot_mapping
+from .block_pool import slot_mapping
 
 
 class PagedAttention(AttentionBackend):
-    keeps_kv = True
-
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype, device):
         self.num_blocks, self.block_size = num_blocks, block_size

@@ -10,13 +10,32 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
 
 
+_INT64 = (-(1 << 63), (1 << 63) - 1)  # a seed is a signed 64-bit integer, as torch and vLLM take it
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)  # numpy integers too, not True
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
 @dataclass
 class SamplingParams:
-    """vLLM's names and defaults for the parameters the course uses."""
+    """vLLM's names and defaults for the parameters the course uses.
+
+    Every field is checked here, when the request is made, because a bad value found later, in
+    the sampler, in the middle of a step, would fail every request sharing that step: NaN, inf,
+    a seed wider than 64 bits or a stop string of the wrong type raises ``ValueError`` now, with
+    what to change.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -26,15 +45,24 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:  # NaN fails the comparison too
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not _INT64[0] <= self.seed <= _INT64[1]):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1] or None, got {self.seed!r}")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stop is None:
+            stop = []
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        self.stop = list(stop)
+        self.max_tokens, self.temperature, self.top_p = int(self.max_tokens), float(self.temperature), float(self.top_p)
+        self.seed = None if self.seed is None else int(self.seed)
 
     @property
     def greedy(self) -> bool:
@@ -106,7 +134,7 @@ class Request:
         self.cache_salt = cache_salt  # tenant: requests with different salts share no cached KV
         self.num_preemptions = 0
         self.finish_reason: str | None = None
-        self.text = ""
+        self.text = ""  # the output so far, detokenized incrementally by the engine
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
 
     @property
@@ -120,6 +148,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def streamable_text(self) -> str:
+        """The text a client may be sent already: while the request runs, the last characters
+        that could still turn out to begin a stop string are held back (they may be cut)."""
+        hold = max((len(s) for s in self.params.stop), default=1) - 1
+        return self.text if self.is_finished or hold == 0 else self.text[:max(0, len(self.text) - hold)]
 
     def __repr__(self):
         return (f"Request({self.request_id}, {self.status.value}, prompt={len(self.prompt_token_ids)}, "

@@ -1,6 +1,6 @@
 """Mechanism: turn a scheduled batch into one forward pass and one new token per sequence.
 
-The runner knows nothing about queues or policy. It flattens the scheduled tokens of all
+The runner knows nothing about queues or policy, and changes no request. It flattens the scheduled tokens of all
 sequences into one [T] tensor with their positions (no padding), runs the model once with
 the attention backend, and samples from the last position of each sequence.
 """
@@ -11,7 +11,7 @@ import torch
 from ..models.llama import LlamaForCausalLM
 from .attention import AttentionBackend, AttentionBatch, RecomputeAttention
 from .sampler import Sampler
-from .scheduler import ScheduledBatch
+from .scheduler import SchedulerOutput
 
 
 class ModelRunner:
@@ -20,7 +20,7 @@ class ModelRunner:
         self.sampler = Sampler()
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[int]:
+    def execute(self, batch: SchedulerOutput) -> list[int]:
         token_ids, positions = [], []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens

@@ -1,43 +1,63 @@
-"""Policy: which requests run in the next forward pass, and how many of their tokens.
+"""Policy, and the one owner of a request's life: which requests run next, and what each step did to them.
 
 One rule, as in vLLM's v1 scheduler: a request needs ``num_tokens - num_computed_tokens``
 tokens fed to catch up. Running requests go first (they hold memory and users are waiting on
 their next token), then waiting requests are admitted in arrival order while the batch has
-room: ``max_num_seqs`` sequences, ``max_num_batched_tokens`` tokens and, with paged KV, free
-blocks (after reusing whatever prefix the cache already holds). When a running request needs a
-block and none is free, the most recently arrived running request is preempted by recompute:
-its blocks are freed and it goes back to the front of the queue, to be recomputed later.
-Nothing crashes and nobody waits forever. With chunked prefill, a prompt longer than what is
-left of the step's token budget is fed in chunks over several steps, sharing each step with the
-running decodes. ``policy="static"`` is the baseline chapter 04 measures against: a batch is
-admitted together and held until its longest member ends.
+room: ``max_num_seqs`` sequences, ``max_num_batched_tokens`` tokens and free KV memory (after
+reusing whatever prefix the cache already holds). When a running request needs a block and
+none is free, the most recently arrived running request is preempted by recompute: its blocks
+are freed and it goes back to the front of the queue. Nothing crashes and nobody waits forever.
+With chunked prefill, a prompt longer than what is left of the step's token budget is fed in
+chunks over several steps, sharing each step with the running decodes. ``scheduling_policy=
+"static"`` is chapter 04's baseline: a batch is admitted together and held until it has drained.
 
-The small methods (``num_new_tokens``, ``can_allocate``, ``take``, ``admit``, ``preempt``) are
-the mechanism a policy is written with; chapter 04's exercise writes ``schedule`` from them and
-plugs it in as ``schedule_fn``, chapter 05's writes the chunking rule and plugs it in as
-``chunk_rule``.
+``schedule()`` decides; ``update_from_output()`` is the only place a request moves forward after
+the model ran: computed tokens, the new token, full blocks offered to the prefix cache, and
+finishing (EOS, ``max_tokens``, the context length) with its memory freed at once.
+
+The small methods (``num_new_tokens``, ``add_to_batch``, ``admit``, ``preempt``) and the KV
+manager's ``can_allocate`` are what a policy is written with: chapter 04's exercise writes
+``schedule`` from them, chapter 05's writes the chunking rule, and ``LLMEngine.plugged`` puts
+them in for the length of a ``with`` block.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .blocks import KVCacheManager
+from .kv_cache_manager import KVManager, PrefixHit
 from .request import Request, RequestStatus
 
 
 @dataclass
-class ScheduledBatch:
-    requests: list[Request]
-    num_new_tokens: list[int]
+class SchedulerOutput:
+    """One step: what the scheduler chose and, once the step has run, what came of it.
+
+    The engine keeps the last one as ``engine.last_step``: timelines and tests read the engine's
+    own record of a step instead of reconstructing it.
+    """
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens each request feeds this step
+    is_prefill: list[bool] = field(default_factory=list)  # feeding prompt (or recomputed) tokens, not one decode
+    prefix_hit_tokens: dict[str, int] = field(default_factory=dict)  # admitted this step -> tokens reused
+    preempted: list[Request] = field(default_factory=list)  # sent back to the queue this step
+    running: list[str] = field(default_factory=list)  # after scheduling: the batch's slots, oldest first
+    waiting: list[str] = field(default_factory=list)  # still queued, head first
+    finished: list[Request] = field(default_factory=list)  # left during this step (filled as it runs)
+    index: int = -1  # step number in the engine's life
+    start: float = 0.0  # time.perf_counter() before scheduling
+    end: float = 0.0  # after the step's tokens were detokenized
 
     @property
     def total_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
-    def __bool__(self):
-        return bool(self.requests)
+    @property
+    def scheduled(self) -> dict[str, tuple[int, bool]]:
+        """request id -> (tokens fed, was it prefill)."""
+        return {r.request_id: (n, p) for r, n, p in zip(self.requests, self.num_new_tokens, self.is_prefill)}
 
 
 def chunk_rule(num_remaining: int, budget_left: int, enable_chunked_prefill: bool,
@@ -57,26 +77,20 @@ def chunk_rule(num_remaining: int, budget_left: int, enable_chunked_prefill: boo
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, kv: KVCacheManager | None = None,
-                 enable_chunked_prefill: bool = False, policy: str = "continuous",
-                 long_prefill_token_threshold: int = 0):
-        if policy not in ("continuous", "static"):
-            raise ValueError(f"scheduling policy must be 'continuous' or 'static', got {policy!r}")
-        self.policy = policy
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.enable_chunked_prefill = enable_chunked_prefill
-        self.long_prefill_token_threshold = long_prefill_token_threshold
+    def __init__(self, config, kv: KVManager, eos_token_ids=()):
+        self.config = config  # the engine's EngineConfig, read at every step: one truth for every option
         self.kv = kv
+        self.eos_token_ids = set(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.preempted: list[Request] = []  # this step's preemptions
         self.num_preemptions = 0
-        self.preempted_this_step: list[Request] = []
-        # the exercises' plug points: the attendee's schedule(scheduler) and chunking rule
+        self.counters = {"prompt_tokens_computed": 0, "generation_tokens": 0}
+        # the exercises' plug points (set them through LLMEngine.plugged): a whole policy, a chunking rule
         self.schedule_fn = None
         self.chunk_rule = chunk_rule
 
-    def add(self, req: Request):
+    def add_request(self, req: Request):
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
@@ -84,94 +98,140 @@ class Scheduler:
 
     # ------------------------------------------------------------------ policy
 
-    def schedule(self) -> ScheduledBatch:
-        self.preempted_this_step = []
-        return self.schedule_fn(self) if self.schedule_fn is not None else self._schedule()
+    def schedule(self) -> SchedulerOutput:
+        self.preempted = []
+        out = self.schedule_fn(self) if self.schedule_fn is not None else self._schedule()
+        if not isinstance(out, SchedulerOutput):
+            raise TypeError(f"a schedule function must return a SchedulerOutput, not {type(out).__name__}")
+        out.preempted = self.preempted
+        out.running = [r.request_id for r in self.running]
+        out.waiting = [r.request_id for r in self.waiting]
+        return out
 
-    def _schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch([], [])
-        budget = self.max_num_batched_tokens
-        for req in list(self.running):  # 1. running requests first
-            if req not in self.running:
-                continue  # preempted a moment ago to make room for an earlier one
-            need = self.num_new_tokens(req, budget, batch)
-            if need == 0:
-                break  # the budget is spent: the rest run next step
-            while not self.can_allocate(req, need):  # out of blocks: preempt the newest
-                self.preempt(self.running[-1])
-                if req not in self.running:
-                    break
-            if req in self.running:
-                self.take(batch, req, need)
-                budget -= need
-        if self.policy == "static" and self.running:
-            return batch  # the baseline: nobody joins until the whole batch has finished
-        while self.waiting and len(self.running) < self.max_num_seqs:  # 2. admission, in arrival order
+    def _schedule(self) -> SchedulerOutput:
+        out, budget = SchedulerOutput(), self.config.max_num_batched_tokens
+        # 1. running requests first, oldest first: they hold KV memory and their users wait
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            n = self.num_new_tokens(req, budget, out)
+            if n == 0:
+                break                                   # the budget is spent: the rest run next step
+            while not self.kv.can_allocate(req, n) and self.running[-1] is not req:
+                self.preempt(self.running[-1])          # out of blocks: the newest goes back to the queue
+            if not self.kv.can_allocate(req, n):
+                self.preempt(req)                       # it was the newest itself
+                break
+            self.add_to_batch(out, req, n)
+            budget -= n
+            i += 1
+        if self.config.scheduling_policy == "static" and self.running:
+            return out                                  # the baseline: nobody joins a batch in flight
+        # 2. then the queue, in arrival order, while a slot, the budget and the blocks allow
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            hit = self.kv.match(req) if self.kv is not None else None  # prefix-cache reuse (chapter 03)
-            skip = hit.num_blocks() * self.kv.block_size if hit else 0
-            need = self.num_new_tokens(req, budget, batch, skip)
-            if need == 0 or (hit is not None and not self.kv.can_admit(req, hit)):
-                break  # FCFS: nobody overtakes the head of the queue
-            if hit is not None:
-                self.kv.admit(req, hit)
-                need = self.num_new_tokens(req, budget, batch)
-            self.admit(req)
-            self.take(batch, req, need)
-            budget -= need
-        return batch
+            hit = self.kv.find_cached_prefix(req)       # what the prefix cache holds already (chapter 03)
+            n = self.num_new_tokens(req, budget, out, skip=hit.num_tokens)
+            if n == 0 or not self.kv.can_allocate(req, n, hit):
+                break                                   # FCFS: nobody overtakes the head of the queue
+            self.admit(req, hit)
+            n = self.num_new_tokens(req, budget, out)   # what is left to compute after the hit
+            self.add_to_batch(out, req, n)
+            budget -= n
+        return out
 
     # ------------------------------------------------------------------ mechanism a policy uses
 
-    def num_new_tokens(self, req: Request, budget_left: int, batch: ScheduledBatch | None = None,
-                       skip: int = 0) -> int:
+    def num_new_tokens(self, req: Request, budget_left: int, out: SchedulerOutput, skip: int = 0) -> int:
         """Tokens of ``req`` to feed this step (0: none). ``skip``: tokens a prefix hit would cover.
 
         A request that can never fit the budget unchunked (a long sequence recomputed after
         preemption) still runs, alone in its step, so it cannot wait forever.
         """
         remaining = req.num_tokens - req.num_computed_tokens - skip
-        n = self.chunk_rule(remaining, budget_left, self.enable_chunked_prefill, self.long_prefill_token_threshold)
-        if n == 0 and not batch and remaining > 0:
+        n = self.chunk_rule(remaining, budget_left, self.config.enable_chunked_prefill,
+                            self.config.long_prefill_token_threshold)
+        if n == 0 and not out.requests and remaining > 0:
             n = remaining
         return n
 
-    def can_allocate(self, req: Request, num_new_tokens: int) -> bool:
-        """Are there free blocks for ``num_new_tokens`` more tokens of ``req``?"""
-        return self.kv is None or self.kv.can_allocate(req, num_new_tokens)
+    def add_to_batch(self, out: SchedulerOutput, req: Request, num_new_tokens: int):
+        """Feed ``num_new_tokens`` tokens of ``req`` this step, reserving the KV memory they need."""
+        if num_new_tokens <= 0:
+            return
+        self.kv.allocate(req, num_new_tokens)
+        out.requests.append(req)
+        out.num_new_tokens.append(num_new_tokens)
+        out.is_prefill.append(not (num_new_tokens == 1 and req.num_computed_tokens == req.num_tokens - 1))
 
-    def take(self, batch: ScheduledBatch, req: Request, num_new_tokens: int):
-        """Put ``num_new_tokens`` tokens of ``req`` in the batch, allocating the blocks they need."""
-        if self.kv is not None:
-            self.kv.allocate(req, num_new_tokens)
-        batch.requests.append(req)
-        batch.num_new_tokens.append(num_new_tokens)
-
-    def admit(self, req: Request):
-        """Move ``req`` from the waiting queue to the running list."""
-        self.waiting.remove(req)
+    def admit(self, req: Request, hit: PrefixHit | None = None):
+        """Move ``req`` from the queue to the running list, reusing the prefix ``hit`` found for it."""
+        self.waiting.remove(req)  # the head, in FCFS order: found at once
+        req.num_computed_tokens = self.kv.use_cached_prefix(req, hit) if hit is not None else 0
         req.status = RequestStatus.RUNNING
         req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or time.perf_counter()
         self.running.append(req)
 
     def preempt(self, req: Request):
-        """Recompute preemption: drop the request's KV, requeue it first; its tokens so far are kept."""
+        """Recompute preemption: free the request's KV, requeue it first; its tokens so far are kept."""
         self.running.remove(req)
-        if self.kv is not None:
-            self.kv.free(req)
+        self.kv.release(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.preempted_this_step.append(req)
+        self.preempted.append(req)
         self.waiting.appendleft(req)
 
+    # ------------------------------------------------------------------ after the model ran
+
+    def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
+        """Advance every request of the step; returns those that received a token (finished ones too).
+
+        A request that was fed its last pending token gets the sampled token; a prompt chunk that
+        is not the last one gets nothing (its sample is not a next token). Without a KV cache
+        nothing stays computed, so the next step feeds the whole sequence again.
+        """
+        now = time.perf_counter()
+        got_token = []
+        for req, n, token in zip(out.requests, out.num_new_tokens, sampled):
+            start = req.num_computed_tokens
+            self.counters["prompt_tokens_computed"] += max(0, min(len(req.prompt_token_ids), start + n) - start)
+            req.num_computed_tokens = start + n if self.kv.keeps_kv else 0
+            self.kv.cache_full_blocks(req)
+            if start + n < req.num_tokens:
+                continue  # a prompt chunk: more to feed before the next token
+            req.output_token_ids.append(token)
+            req.metrics.token_times.append(now)
+            req.metrics.first_token_time = req.metrics.first_token_time or now
+            self.counters["generation_tokens"] += 1
+            got_token.append(req)
+            reason = self.stop_reason(req, token)
+            if reason is not None:
+                self.finish(req, reason)
+                out.finished.append(req)
+        return got_token
+
+    def stop_reason(self, req: Request, token: int) -> str | None:
+        if token in self.eos_token_ids and not req.params.ignore_eos:
+            return "stop"
+        longest = min(self.config.max_model_len, self.kv.capacity)  # the context, or a pool smaller than it
+        if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= longest:
+            return "length"
+        return None
+
     def finish(self, req: Request, reason: str):
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
-        if req in self.running:
+        """The request leaves (done, stopped by a stop string, aborted, failed): its memory is freed now."""
+        if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req in self.waiting:
+        elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
-        if self.kv is not None:
-            self.kv.free(req)
+        else:
+            return  # finished already
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        req.metrics.finished_time = time.perf_counter()
+        self.kv.release(req)
+
+    def stats(self) -> dict:
+        return {"num_preemptions": self.num_preemptions, "num_requests_running": len(self.running),
+                "num_requests_waiting": len(self.waiting), **self.counters}

@@ -22,13 +22,17 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..engine.request import SamplingParams
-from ..llm import LLM
-from .result_cache import is_deterministic, result_key
+from ..frontend import Frontend, PreparedRequest
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
 
 
 class Message(BaseModel):
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: str | list[TextPart]  # OpenAI's API allows a list of parts; vllm bench serve sends one
 
 
 class StreamOptions(BaseModel):
@@ -75,8 +79,11 @@ def error_response(status: int, message: str, type_: str, param=None) -> JSONRes
                         status_code=status)
 
 
-def create_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
-    name = served_model_name or llm.engine.model_path.name
+def create_app(llm, served_model_name: str | None = None) -> FastAPI:
+    """The app over an ``LLM``: requests go through its ``Frontend``, the same path ``generate`` takes."""
+    frontend: Frontend = llm.frontend
+    engine = frontend.engine
+    name = served_model_name or frontend.model_name
     app = FastAPI(title="LLM Serving Lab")
     lock = threading.Lock()  # one generation at a time: the minimal server does not batch yet
 
@@ -94,54 +101,45 @@ def create_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
     async def internal_error(_, exc: Exception):
         return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
 
-    def check(req: CompletionParams, prompt):
-        if req.model != name:
-            raise APIError(404, f"The model `{req.model}` does not exist. Served: `{name}`.", "not_found_error", "model")
-        try:
-            params = req.sampling_params()
-            ids, text = llm.tokenize(prompt)
-            llm.engine.check_prompt(ids)  # the engine's own rules, answered as a 400 before any work
+    def check(body: CompletionParams, prompt) -> PreparedRequest:
+        if body.model != name:
+            raise APIError(404, f"The model `{body.model}` does not exist. Served: `{name}`.", "not_found_error",
+                           "model")
+        try:  # the frontend's rules, answered as a 400 before any work
+            return frontend.prepare(prompt, body.sampling_params(), cache_salt=body.cache_salt,
+                                    use_result_cache=not body.skip_result_cache)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
-        return ids, text, params
 
-    def run(ids, text, params, on_token=None, salt=None):
+    def run(prepared: PreparedRequest, on_token=None):
         with lock:
-            req = llm.engine.add_request(ids, params, prompt=text, cache_salt=salt)
+            req = frontend.submit(prepared)
             try:
                 while not req.is_finished:
-                    llm.engine.step()
+                    engine.step()
                     if on_token and not on_token(req):
-                        llm.engine.abort(req)  # the client went away: stop spending compute on it
+                        engine.abort(req)  # the client went away: stop spending compute on it
             finally:
-                llm.engine.abort(req)
-            return req
+                engine.abort(req)  # a no-op once finished; frees everything if the step raised
+            return frontend.complete(prepared, req)
 
     def usage(out):
         p, c = len(out.prompt_token_ids), len(out.token_ids)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
-    async def respond(req_body: CompletionParams, prompt, chat: bool):
-        ids, text, params = check(req_body, [m.model_dump() for m in prompt] if chat else prompt)
+    async def respond(body: CompletionParams, prompt, chat: bool):
+        prepared = check(body, [m.model_dump() for m in prompt] if chat else prompt)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
-        obj = "chat.completion" if chat else "text_completion"
-        cache = llm.result_cache if not req_body.skip_result_cache and is_deterministic(params) else None
-        key = result_key(name, ids, params, req_body.cache_salt) if cache is not None else None
-        if not req_body.stream or (cache is not None and key in cache.entries):
-            req = cache.get(key) if cache is not None else None
-            if req is None:
-                req = llm.engine.output(await run_in_threadpool(run, ids, text, params, None, req_body.cache_salt))
-                if cache is not None and req.finish_reason in ("stop", "length"):
-                    cache.put(key, req.copy())
-            if req_body.stream:  # a cached answer streams as one chunk
-                return EventSourceResponse(replay(rid, created, req, chat, req_body), sep="\n")
-            choice = ({"index": 0, "message": {"role": "assistant", "content": req.text}} if chat
-                      else {"index": 0, "text": req.text})
-            return {"id": rid, "object": obj, "created": created, "model": name,
-                    "choices": [{**choice, "finish_reason": req.finish_reason}], "usage": usage(req)}
-        return EventSourceResponse(stream(rid, created, ids, text, params, chat, req_body),
-                                   ping=15, sep="\n")
+        if prepared.cached is not None and body.stream:  # a cached answer streams as one chunk
+            return EventSourceResponse(replay(rid, created, prepared.cached, chat, body), sep="\n")
+        if body.stream:
+            return EventSourceResponse(stream(rid, created, prepared, chat, body), ping=15, sep="\n")
+        out = prepared.cached or await run_in_threadpool(run, prepared)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": out.text}} if chat
+                  else {"index": 0, "text": out.text})
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": name, "choices": [{**choice, "finish_reason": out.finish_reason}], "usage": usage(out)}
 
     def chunk_json(rid, created, body, chat, delta=None, finish=None, role=False):
         if chat:
@@ -165,20 +163,21 @@ def create_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
             yield usage_json(rid, created, body, chat, req)
         yield "[DONE]"
 
-    async def stream(rid, created, ids, text, params, chat, body):
+    async def stream(rid, created, prepared, chat, body):
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         state = {"sent": 0, "connected": True}
 
         def on_token(req):
-            delta = req.text[state["sent"]:]
-            state["sent"] = len(req.text)
+            text = req.streamable_text()  # holds back what a stop string may still cut
+            delta = text[state["sent"]:]
+            state["sent"] = len(text)
             loop.call_soon_threadsafe(queue.put_nowait, (delta, req.finish_reason))
             return state["connected"]
 
         def work():
             try:
-                return run(ids, text, params, on_token, body.cache_salt)
+                return run(prepared, on_token)
             finally:
                 loop.call_soon_threadsafe(queue.put_nowait, None)  # always wake the stream up
 
@@ -194,13 +193,13 @@ def create_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
                 if delta or finish:
                     yield chunk(delta, finish)
             try:
-                req = llm.engine.output(await task)
+                out = await task
             except Exception as exc:
                 yield json.dumps({"error": {"message": f"internal error: {type(exc).__name__}",
                                             "type": "internal_error", "param": None, "code": 500}})
                 return
             if body.stream_options and body.stream_options.include_usage:
-                yield usage_json(rid, created, body, chat, req)
+                yield usage_json(rid, created, body, chat, out)
             yield "[DONE]"
         finally:
             state["connected"] = False  # on disconnect the engine thread aborts at its next token
@@ -216,7 +215,7 @@ def create_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "labsupport",
-                                            "max_model_len": llm.engine.max_model_len}]}
+                                            "max_model_len": engine.max_model_len}]}
 
     @app.get("/health")
     async def health():

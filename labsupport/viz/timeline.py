@@ -62,7 +62,7 @@ class BatchTimeline:
     def on_step(self, engine):
         """The ``run_workload`` hook: record the engine's last step, re-render now and then."""
         if self.num_slots is None:
-            self.num_slots = engine.scheduler.max_num_seqs
+            self.num_slots = engine.config.max_num_seqs
         step = engine.last_step
         if step is None or step.index == self._last_index:
             return  # the engine had nothing to run: no new step to draw
@@ -74,9 +74,10 @@ class BatchTimeline:
             self.refresh()
 
     def record(self, step):
-        """Add one ``StepRecord`` (steps are numbered by arrival here, from 0)."""
+        """Add one step's ``SchedulerOutput`` (steps are numbered by arrival here, from 0)."""
         t = self.num_steps
-        for rid in step.preempted:
+        scheduled = step.scheduled
+        for rid in (r.request_id for r in step.preempted):
             if rid in self.slot_of:
                 self.preemptions.append((t, self.slot_of.pop(rid), rid))
         for rid in step.running:
@@ -85,14 +86,14 @@ class BatchTimeline:
                 self.slot_of[rid] = next(s for s in range(len(used) + 1) if s not in used)
             if rid not in self.order:
                 self.order.append(rid)
-            if rid in step.scheduled:
-                kind = "prefill" if step.scheduled[rid][1] else "decode"
-                self.fed.setdefault(rid, []).append(step.scheduled[rid][0])
+            if rid in scheduled:
+                kind = "prefill" if scheduled[rid][1] else "decode"
+                self.fed.setdefault(rid, []).append(scheduled[rid][0])
             else:
                 kind = "stalled"
             self.cells.append((t, self.slot_of[rid], rid, kind))
-        for rid in step.finished:
-            self.slot_of.pop(rid, None)
+        for req in step.finished:
+            self.slot_of.pop(req.request_id, None)
         self.queue.append(len(step.waiting))
         self.durations.append(step.end - step.start)
         self.num_steps += 1

@@ -1,0 +1,62 @@
+"""Incremental detokenization: the new text of each new token, without decoding the whole output again.
+
+Decoding the whole output every step costs O(length) per token, O(length²) per request. Instead,
+as vLLM's detokenizer and TGI do, each request keeps two offsets into its tokens: text is only
+emitted for tokens after ``read``, decoded together with a few tokens before it (from
+``prefix``) so that the tokenizer sees the context it needs (a word-initial space, a merge).
+
+Two cases make this subtle, and both are tested with non-ASCII text:
+
+* one character can span several tokens (byte-level BPE splits a CJK character or an emoji into
+  byte tokens): until the last byte arrives the decoded tail ends in U+FFFD, so nothing is
+  emitted yet, and the character comes out whole one token later;
+* special tokens decode to nothing (``skip_special_tokens``), so they emit nothing.
+
+Stop strings are searched for in the tail only (the new text plus the few characters before it
+that a stop string could straddle), and the text is cut where the first one begins.
+"""
+from __future__ import annotations
+
+CONTEXT_TOKENS = 5  # prompt tokens decoded as context before the first output token (as vLLM does)
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] = ()):
+        self.tokenizer = tokenizer
+        self.context = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        self.prefix = 0  # start of the tokens decoded as context ...
+        self.read = len(self.context)  # ... up to here; text already emitted for everything before `read`
+        self.stop = list(stop)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def update(self, output_token_ids: list[int], flush: bool = False) -> tuple[str, bool]:
+        """Catch up with the request's output tokens. Returns ``(new text, stopped)``.
+
+        ``flush``: the request has finished, so emit whatever is left even if it ends in an
+        incomplete character (the full decode would show U+FFFD there too).
+        """
+        ids = self.context + output_token_ids
+        before = self._decode(ids[self.prefix:self.read])
+        after = self._decode(ids[self.prefix:])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not flush):
+            return "", False  # nothing new yet: a special token, or a character still incomplete
+        delta = after[len(before):]
+        self.prefix, self.read = self.read, len(ids)
+        return self._append(delta)
+
+    def _append(self, delta: str) -> tuple[str, bool]:
+        start = len(self.text)
+        self.text += delta
+        if not self.stop:
+            return delta, False
+        longest = max(map(len, self.stop))
+        tail = max(0, start - longest + 1)  # a stop string may begin in the text before this delta
+        found = [i for i in (self.text.find(s, tail) for s in self.stop) if i >= 0]
+        if not found:
+            return delta, False
+        cut = min(found)
+        self.text = self.text[:cut]
+        return self.text[start:] if cut > start else "", True

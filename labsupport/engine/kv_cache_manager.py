@@ -1,0 +1,261 @@
+"""KV managers: who holds the KV memory of which request, and whether a request fits.
+
+The scheduler (policy) always holds one and asks it the same questions whatever the backend:
+is there a cached prefix for this request, is there room for ``n`` more of its tokens, reserve
+them, the request left. The attention backend (mechanism) only reads what the manager set up.
+
+* ``KVManager`` keeps nothing (chapter 00's recompute backend): every token is computed again
+  each step, so everything always "fits" and nothing is freed.
+* ``ContiguousKVManager`` (chapter 01) reserves one tensor per request and layer for the longest
+  the request may become, and frees it when the request leaves.
+* ``KVCacheManager`` (chapters 02-03) gives each request the blocks its tokens need from one
+  shared pool. With prefix caching a new request first reuses the longest chain of cached full
+  blocks, and every block that fills up is registered for the requests after it.
+
+No manager writes a request's ``num_computed_tokens``: ``use_cached_prefix`` returns how many
+tokens it reused, and the scheduler, the one owner of a request's state, records it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_pool import BlockAllocator, blocks_needed
+from .prefix_cache import CPUTier, PrefixCache, chain_hashes, longest_prefix
+
+
+@dataclass
+class PrefixHit:
+    """What a request can reuse: cached device blocks, then blocks to copy back from the CPU tier."""
+
+    device_blocks: list[int] = field(default_factory=list)
+    cpu_hashes: list[bytes] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
+    block_size: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return (len(self.device_blocks) + len(self.cpu_hashes)) * self.block_size
+
+
+class KVManager:
+    """No KV cache: nothing is kept between steps, so every request always fits."""
+
+    keeps_kv = False  # do computed tokens stay computed after the step?
+    capacity = float("inf")  # the most tokens one request can hold: it finishes ("length") there
+
+    def find_cached_prefix(self, req) -> PrefixHit:
+        return PrefixHit()
+
+    def can_allocate(self, req, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        return True
+
+    def use_cached_prefix(self, req, hit: PrefixHit) -> int:
+        """Take the hit's blocks for ``req``; returns the number of tokens reused."""
+        return 0
+
+    def allocate(self, req, num_new_tokens: int):
+        """Reserve room for ``num_new_tokens`` more tokens of ``req``."""
+
+    def release(self, req):
+        """The request left or was preempted: give back all it holds."""
+
+    def cache_full_blocks(self, req):
+        """Offer the request's computed full blocks to later requests (prefix caching)."""
+
+    def stats(self) -> dict:
+        return {}
+
+
+class ContiguousKVManager(KVManager):
+    """One contiguous K/V tensor per request and layer, reserved for the request's longest possible
+    length (prompt + max_tokens) when it first runs. ``reserved_bytes`` counts what is reserved,
+    ``used_bytes`` what holds tokens: the gap is the waste chapter 02 removes."""
+
+    keeps_kv = True
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype, device, max_model_len: int):
+        self.shape, self.num_layers = (num_kv_heads, head_dim), num_layers
+        self.dtype, self.device, self.max_model_len = dtype, device, max_model_len
+        self.caches: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.lengths: dict[str, int] = {}
+
+    def allocate(self, req, num_new_tokens):
+        if req.request_id not in self.caches:
+            capacity = min(len(req.prompt_token_ids) + req.params.max_tokens, self.max_model_len)
+            self.caches[req.request_id] = [
+                tuple(torch.zeros(capacity, *self.shape, dtype=self.dtype, device=self.device) for _ in "kv")
+                for _ in range(self.num_layers)]
+        self.lengths[req.request_id] = req.num_computed_tokens + num_new_tokens
+
+    def release(self, req):
+        self.caches.pop(req.request_id, None)
+        self.lengths.pop(req.request_id, None)
+
+    def _bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.shape[0] * self.shape[1] * self.dtype.itemsize
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(layers[0][0].shape[0] for layers in self.caches.values()) * self._bytes_per_token()
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self.lengths.values()) * self._bytes_per_token()
+
+    def stats(self) -> dict:
+        return {"kv_reserved_bytes": self.reserved_bytes, "kv_used_bytes": self.used_bytes}
+
+
+class KVCacheManager(KVManager):
+    """Paged KV: block tables over one pool, with an optional prefix cache and CPU tier.
+
+    ``chain_hashes`` and ``longest_prefix`` are attributes so chapter 03's exercise can plug the
+    attendee's own in (``LLMEngine.plugged``); ``allocator`` likewise for chapter 02's.
+    """
+
+    keeps_kv = True
+
+    def __init__(self, num_blocks: int, block_size: int, allocator: BlockAllocator | None = None,
+                 enable_prefix_caching: bool = False, cpu_tier: CPUTier | None = None):
+        self.block_size = block_size
+        self.allocator = allocator or BlockAllocator(num_blocks)
+        self.prefix_cache = PrefixCache() if enable_prefix_caching else None
+        self.cpu_tier = cpu_tier
+        self.tables: dict[str, object] = {}  # request_id -> request holding blocks, for snapshots and checks
+        self.counters = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "cpu_tier_hits": 0}
+        self.chain_hashes = chain_hashes
+        self.longest_prefix = longest_prefix
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def capacity(self) -> int:
+        """A request alone can fill the pool, no more: past it nothing could free a block for it."""
+        return self.num_blocks * self.block_size
+
+    def can_allocate(self, req, num_new_tokens, hit=None):
+        """Free blocks for the request's tokens after this step, less the live shared blocks a hit reuses."""
+        hit = hit or PrefixHit(block_size=self.block_size)
+        tokens = req.num_computed_tokens + hit.num_tokens + num_new_tokens
+        live = sum(1 for b in hit.device_blocks if self.allocator.ref_counts[b] > 0)
+        return blocks_needed(tokens, self.block_size) - len(req.block_table) - live <= self.allocator.num_free
+
+    def _new_block(self) -> int:
+        block = self.allocator.allocate()
+        if self.prefix_cache is not None:
+            evicted = self.prefix_cache.evict(block)  # its old contents are about to be overwritten
+            if evicted is not None and self.cpu_tier is not None:
+                self.cpu_tier.save(*evicted, block)
+        return block
+
+    def allocate(self, req, num_new_tokens):
+        missing = blocks_needed(req.num_computed_tokens + num_new_tokens, self.block_size) - len(req.block_table)
+        for _ in range(missing):
+            req.block_table.append(self._new_block())
+        self.tables[req.request_id] = req
+
+    def release(self, req):
+        for block in reversed(req.block_table):  # tail first: the shared prefix stays cached longest
+            self.allocator.free(block)
+        req.block_table = []
+        req.block_hashes = []
+        self.tables.pop(req.request_id, None)
+
+    def use_allocator(self, allocator):
+        """Run the pool on another allocator (chapter 02's exercise); only while no request holds blocks."""
+        if self.tables:
+            raise ValueError(f"{len(self.tables)} requests hold blocks: swap the allocator while the engine is idle")
+        self.allocator = allocator
+        if self.prefix_cache is not None:
+            self.prefix_cache = PrefixCache()  # cached entries named blocks of the old allocator
+
+    # ------------------------------------------------------------------ prefix caching
+
+    def find_cached_prefix(self, req) -> PrefixHit:
+        """The longest chain of cached full blocks at the start of the request (no state changes).
+        At least one token is left to compute: its logits give the next token."""
+        hit = PrefixHit(block_size=self.block_size)
+        if self.prefix_cache is None:
+            return hit
+        tokens, bs = req.all_token_ids, self.block_size
+        hashes = self.chain_hashes(tokens[:(len(tokens) - 1) // bs * bs], bs, req.cache_salt)
+
+        def chunk(i):
+            return tuple(tokens[i * bs:(i + 1) * bs])
+
+        hit.device_blocks = self.longest_prefix(hashes, lambda i, h: self.prefix_cache.lookup(h, chunk(i)))
+        done = len(hit.device_blocks)
+        if self.cpu_tier is not None:  # the chain may go on in host memory
+            rest = self.longest_prefix(hashes[done:], lambda i, h: h if self.cpu_tier.contains(h, chunk(done + i))
+                                       else None)
+            hit.cpu_hashes = list(rest)
+        hit.hashes = hashes[:len(hit.device_blocks) + len(hit.cpu_hashes)]
+        return hit
+
+    def use_cached_prefix(self, req, hit):
+        """Share live blocks, reclaim cached free ones, copy CPU-tier ones back. Returns tokens reused.
+
+        Hit counters count a request's first admission only: a preempted request finding its own
+        blocks again is recompute avoided, not a prefix shared (vLLM issue #25780)."""
+        if self.prefix_cache is None:
+            return 0
+        for block in hit.device_blocks:
+            if self.allocator.ref_counts[block] > 0:
+                self.allocator.share(block)
+            else:
+                self.allocator.reclaim(block)
+            req.block_table.append(block)
+        reused = len(hit.device_blocks)
+        for h in hit.cpu_hashes:
+            self.cpu_tier.touch(h)  # most recently used: our own evictions below must not push them out
+        for h in hit.cpu_hashes:
+            block = self._new_block()
+            if not self.cpu_tier.has(h):  # pushed out anyway (a tiny CPU tier): compute the rest
+                self.allocator.free(block)
+                break
+            self.cpu_tier.load(h, block)
+            bs = self.block_size
+            self.prefix_cache.insert(block, h, tuple(req.all_token_ids[reused * bs:(reused + 1) * bs]))
+            req.block_table.append(block)
+            reused += 1
+        req.block_hashes = list(hit.hashes[:reused])
+        self.tables[req.request_id] = req
+        if req.num_preemptions == 0:
+            self.counters["prefix_cache_queries"] += req.num_tokens
+            self.counters["prefix_cache_hits"] += reused * self.block_size
+            self.counters["cpu_tier_hits"] += reused - len(hit.device_blocks)
+        return reused * self.block_size
+
+    def cache_full_blocks(self, req):
+        if self.prefix_cache is None:
+            return
+        bs = self.block_size
+        full = req.num_computed_tokens // bs
+        if full <= len(req.block_hashes):
+            return
+        tokens = req.all_token_ids[:full * bs]
+        hashes = self.chain_hashes(tokens, bs, req.cache_salt)
+        for i in range(len(req.block_hashes), full):
+            self.prefix_cache.insert(req.block_table[i], hashes[i], tuple(tokens[i * bs:(i + 1) * bs]))
+        req.block_hashes = hashes
+
+    def stats(self) -> dict:
+        stats = {"kv_blocks_total": self.num_blocks, "kv_blocks_free": self.allocator.num_free,
+                 "block_size": self.block_size, "cpu_tier_blocks": len(self.cpu_tier) if self.cpu_tier else 0}
+        return {**stats, **self.counters}  # the counters stay 0 without prefix caching
+
+    def snapshot(self) -> dict:
+        """The pool as the block-map widget draws it."""
+        n, bs = self.num_blocks, self.block_size
+        owners, tokens = [[] for _ in range(n)], [0] * n
+        for rid, req in self.tables.items():
+            for i, block in enumerate(req.block_table):
+                owners[block].append(rid)
+                tokens[block] = max(tokens[block], min(bs, req.num_tokens - i * bs))
+        cached = [bool(self.prefix_cache and self.prefix_cache.is_cached(b)) and not owners[b] for b in range(n)]
+        return {"block_size": bs, "owners": owners, "ref_counts": list(self.allocator.ref_counts), "tokens": tokens,
+                "cached": cached}
