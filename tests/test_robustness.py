@@ -156,6 +156,12 @@ def test_options_change_through_one_validated_method(llm):
         assert engine.scheduler.config.max_num_seqs == 3
         llm.generate("one two three four five six seven eight nine ten eleven", GREEDY4, use_tqdm=False)
     assert engine.config.max_num_seqs == 64 and not engine.config.enable_chunked_prefill
+    with engine.options(enable_chunked_prefill=True):
+        engine.set_options(long_prefill_token_threshold=64)  # valid only with chunking: undone on exit too
+    assert engine.config.long_prefill_token_threshold == 0
+    engine.set_options(max_num_seqs=64)  # the configuration left behind is valid
+    with pytest.raises(ValueError, match="chunk_rule must be a function"):
+        engine.plug(chunk_rule=None)
     with engine.options(max_num_batched_tokens=4):  # the prompt check reads the same config as the scheduler
         with pytest.raises(ValueError, match="max_num_batched_tokens"):
             llm.generate("one two three four five six seven eight nine ten eleven", GREEDY4, use_tqdm=False)

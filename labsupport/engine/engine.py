@@ -150,12 +150,14 @@ class LLMEngine:
 
     @contextlib.contextmanager
     def options(self, **changes):
-        """``with engine.options(max_num_seqs=4): ...`` -- the old values come back on exit."""
-        old = self.set_options(**changes)
+        """``with engine.options(max_num_seqs=4): ...`` -- every run-time option is as before on exit
+        (all of them: one changed inside the block may only be valid together with another)."""
+        before = {name: getattr(self.config, name) for name in RUNTIME_OPTIONS}
+        self.set_options(**changes)
         try:
             yield self
         finally:
-            self.config.__dict__.update(old)
+            self.config.__dict__.update(before)
 
     def _plug_points(self) -> dict:
         """Name -> (object, attribute) of every piece an exercise may replace, on this engine."""
@@ -179,7 +181,9 @@ class LLMEngine:
             if name not in points:
                 raise ValueError(f"no plug point {name!r} on this engine (kv_cache={self.config.kv_cache!r}); "
                                  f"it has {sorted(points)}")
-            if name != "block_allocator" and piece is not None and not callable(piece):
+            if name == "schedule_fn" and piece is None:
+                continue  # None: the engine's own policy
+            if name != "block_allocator" and not callable(piece):
                 raise ValueError(f"{name} must be a function, got {type(piece).__name__}")
         old = {name: getattr(*points[name]) for name in pieces}
         for name, piece in pieces.items():
