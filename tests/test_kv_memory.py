@@ -147,5 +147,5 @@ def test_widget_builds_and_redraws():
 
 
 def kvm_viz():
-    from labsupport.viz import kv_memory
-    return kv_memory
+    from labsupport.viz import kv_charts
+    return kv_charts
