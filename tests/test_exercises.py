@@ -1,6 +1,4 @@
 """The attendee versions of the chapters are generated from the chapters and kept in sync."""
-import json
-
 import pytest
 
 from labsupport import exercises
@@ -41,3 +39,27 @@ def test_solution_is_cut_out_and_kept_for_the_reveal():
 def test_malformed_solution_markers_are_rejected(src):
     with pytest.raises(ValueError):
         exercises.split_solution(src)
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_use_reference_swaps_the_reference_in_for_every_exercise(path):
+    """A stuck attendee sets USE_REFERENCE = True and the rest of the chapter runs on the references."""
+    import re
+
+    import torch
+
+    from labsupport.engine.scheduler import SchedulerOutput
+
+    nb = read(path)
+    params = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    assert "USE_REFERENCE = False" in params.source
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    names = [m.group(2) for c in nb.cells if "exercise" in c.metadata.get("tags", [])
+             for m in re.finditer(r"^(def|class) (\w+)", c.source, re.MULTILINE)]
+    assert names
+    for name in names:
+        assert f'{name} = exercises.reference("{name}", globals())' in code, f"{name} has no USE_REFERENCE swap"
+        ref = exercises.reference(name, {"torch": torch, "SchedulerOutput": SchedulerOutput})
+        assert callable(ref) and ref.__name__ == name
+    with pytest.raises(ValueError, match="no exercise"):
+        exercises.reference("no_such_exercise")
