@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from tqdm.auto import tqdm
 
-from .engine.engine import EngineConfig, LLMEngine
+from .engine.config import EngineConfig
+from .engine.engine import LLMEngine
 from .engine.request import RequestOutput, SamplingParams
 from .frontend import Frontend, is_chat
 from .serve.result_cache import ResultCache

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from labsupport.engine.block_pool import BlockAllocator, blocks_needed, slot_mapping
-from labsupport.engine.engine import EngineConfig
+from labsupport.engine.config import EngineConfig
 from labsupport.engine.kv_cache_manager import KVCacheManager
 from labsupport.engine.prefix_cache import CPUTier, chain_hashes
 from labsupport.engine.request import Request, RequestStatus, SamplingParams

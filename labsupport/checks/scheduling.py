@@ -10,7 +10,7 @@ given an ``llm``, it runs the real engine on the attendee's policy and compares 
 """
 from __future__ import annotations
 
-from ..engine.engine import EngineConfig
+from ..engine.config import EngineConfig
 from ..engine.kv_cache_manager import KVCacheManager
 from ..engine.request import Request, SamplingParams
 from ..engine.scheduler import Scheduler
