@@ -109,8 +109,13 @@ engine_configs = st.fixed_dictionaries({
 })
 
 
+FIXED = {"max_num_seqs": 6, "max_num_batched_tokens": 64, "enable_chunked_prefill": False,
+         "long_prefill_token_threshold": 0, "enable_prefix_caching": False, "cpu_offload_blocks": 0,
+         "scheduling_policy": "continuous", "max_model_len": 1000}
+
+
 def make_engine(options: dict):
-    o = dict(options)
+    o = {**FIXED, **options}
     if not o["enable_chunked_prefill"]:
         o["long_prefill_token_threshold"] = 0
     if not o["enable_prefix_caching"]:
@@ -183,10 +188,7 @@ def test_random_workloads_keep_every_invariant_and_the_reference_tokens(options,
 def test_recomputed_tokens_are_never_counted_as_prefix_hits(block_size, num_blocks, lengths):
     """Distinct prompts share nothing, so every hit would be a preempted request finding its own
     blocks again: recompute avoided, not a prefix shared (vLLM #25780)."""
-    s, kv, runner = make_engine({"block_size": block_size, "num_blocks": num_blocks, "max_num_seqs": 6,
-                                 "max_num_batched_tokens": 64, "enable_chunked_prefill": False,
-                                 "long_prefill_token_threshold": 0, "enable_prefix_caching": True,
-                                 "cpu_offload_blocks": 0, "scheduling_policy": "continuous", "max_model_len": 1000})
+    s, kv, runner = make_engine({"block_size": block_size, "num_blocks": num_blocks, "enable_prefix_caching": True})
     reqs = [Request([40 + i] + [1] * (n - 1), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
                     request_id=f"r{i}") for i, n in enumerate(lengths)]
     for r in reqs:
@@ -206,10 +208,7 @@ def test_recomputed_tokens_are_never_counted_as_prefix_hits(block_size, num_bloc
 
 
 def test_a_shared_prefix_is_counted_once_per_first_admission():
-    s, kv, runner = make_engine({"block_size": 4, "num_blocks": 40, "max_num_seqs": 1, "max_num_batched_tokens": 64,
-                                 "enable_chunked_prefill": False, "long_prefill_token_threshold": 0,
-                                 "enable_prefix_caching": True, "cpu_offload_blocks": 0,
-                                 "scheduling_policy": "continuous", "max_model_len": 1000})
+    s, kv, runner = make_engine({"block_size": 4, "num_blocks": 40, "max_num_seqs": 1, "enable_prefix_caching": True})
     prompt = list(range(1, 14))  # 13 tokens: 3 full blocks
     reqs = [Request(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), request_id=f"r{i}")
             for i in range(2)]
@@ -243,10 +242,7 @@ def test_allocator_refuses_double_free_and_exhaustion():
 
 
 def test_a_request_that_outgrows_the_pool_finishes_instead_of_hanging():
-    s, kv, runner = make_engine({"block_size": 4, "num_blocks": 6, "max_num_seqs": 2, "max_num_batched_tokens": 64,
-                                 "enable_chunked_prefill": False, "long_prefill_token_threshold": 0,
-                                 "enable_prefix_caching": False, "cpu_offload_blocks": 0,
-                                 "scheduling_policy": "continuous", "max_model_len": 1000})
+    s, kv, runner = make_engine({"block_size": 4, "num_blocks": 6, "max_num_seqs": 2})
     req = Request([1, 2, 3], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
     s.add_request(req)
     for _ in range(200):
