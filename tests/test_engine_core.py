@@ -128,6 +128,19 @@ def make_engine(options: dict):
     return Scheduler(config, kv, eos_token_ids={EOS}), kv, runner
 
 
+def drive(s, runner, requests, max_steps=2000, check=None):
+    """Add ``requests`` and step until all finish (or ``max_steps``); ``check()`` after every step."""
+    for r in requests:
+        s.add_request(r)
+    for _ in range(max_steps):
+        if not s.has_unfinished():
+            return
+        out = s.schedule()
+        s.update_from_output(out, runner.execute(out))
+        if check is not None:
+            check()
+
+
 def run_workload(s, kv, runner, specs, max_steps=3000):
     """Feed the specs' requests at their arrival steps; return (requests, aborted ids)."""
     cfg = s.config
@@ -191,14 +204,7 @@ def test_recomputed_tokens_are_never_counted_as_prefix_hits(block_size, num_bloc
     s, kv, runner = make_engine({"block_size": block_size, "num_blocks": num_blocks, "enable_prefix_caching": True})
     reqs = [Request([40 + i] + [1] * (n - 1), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
                     request_id=f"r{i}") for i, n in enumerate(lengths)]
-    for r in reqs:
-        s.add_request(r)
-    for _ in range(2000):
-        if not s.has_unfinished():
-            break
-        out = s.schedule()
-        s.update_from_output(out, runner.execute(out))
-        check_invariants(s, kv, runner, reqs)
+    drive(s, runner, reqs, check=lambda: check_invariants(s, kv, runner, reqs))
     assert all(r.is_finished for r in reqs)
     if lengths == [10, 10, 10]:
         assert s.num_preemptions > 0  # the example below: a pool too small for all three at once
@@ -212,11 +218,7 @@ def test_a_shared_prefix_is_counted_once_per_first_admission():
     prompt = list(range(1, 14))  # 13 tokens: 3 full blocks
     reqs = [Request(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), request_id=f"r{i}")
             for i in range(2)]
-    for r in reqs:
-        s.add_request(r)
-    while s.has_unfinished():
-        out = s.schedule()
-        s.update_from_output(out, runner.execute(out))
+    drive(s, runner, reqs)
     assert kv.counters == {"prefix_cache_queries": 26, "prefix_cache_hits": 12, "cpu_tier_hits": 0}
     assert reqs[0].output_token_ids == reqs[1].output_token_ids
 
@@ -244,11 +246,6 @@ def test_allocator_refuses_double_free_and_exhaustion():
 def test_a_request_that_outgrows_the_pool_finishes_instead_of_hanging():
     s, kv, runner = make_engine({"block_size": 4, "num_blocks": 6, "max_num_seqs": 2})
     req = Request([1, 2, 3], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
-    s.add_request(req)
-    for _ in range(200):
-        if not s.has_unfinished():
-            break
-        out = s.schedule()
-        s.update_from_output(out, runner.execute(out))
+    drive(s, runner, [req], max_steps=200)
     assert req.finish_reason == "length" and req.num_tokens == kv.capacity == 24
     assert kv.allocator.num_free == 6
