@@ -1,13 +1,28 @@
 """PagedAttention in PyTorch: K/V live in fixed-size blocks of one pool per layer.
 
 Writing: the new tokens' K/V go to their *slots* (``slot_mapping``), wherever their blocks are.
-Reading: each sequence's context is gathered through its block table into a padded batch,
-and one masked attention call serves every sequence at once — prefill chunks of different
-lengths and single-token decodes alike. (A GPU kernel such as vLLM's reads the blocks in place
-instead of gathering them; the gather is the price of staying in plain PyTorch, and the
-block-size trade-off in chapter 02 measures it.)
+Reading takes two paths, because a step mixes two very different kinds of rows:
+
+* **Decode rows** (one new token each, most rows of most steps): their blocks are gathered in
+  one indexing call per layer, whole blocks at a time, into a [Hkv, B, S, D] batch padded only to
+  the longest *decoding* context, and attended with one batched matmul per head group. A
+  padding slot is masked by its length, not by a dense [B, Lq, Lk] mask.
+* **Prefill rows** (a prompt or a chunk of one): attended one sequence at a time. A fresh
+  prompt attends to its own keys with the causal rule and reads nothing from the pool; a chunk
+  or a prompt with a cached prefix gathers its context first.
+
+So a decode row never pads to the longest prompt of the step. The gather is the price of staying
+in plain PyTorch: a GPU kernel reads the blocks in place (``triton_attention.py``), and the
+block-size trade-off in chapter 02 measures the difference.
+
+Pool layout, per layer: ``[num_kv_heads, num_blocks * block_size, head_dim]``, slot ``s`` =
+``block * block_size + offset``. Heads first, so gathering blocks gives each head's keys
+contiguously, which the matmul reads without another copy.
 """
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,63 +31,116 @@ from .attention import AttentionBackend, AttentionBatch
 from .block_pool import slot_mapping
 
 
+@dataclass
+class DecodeRows:
+    """The decode rows of a step: where they sit in the flat batch and where their KV lives."""
+
+    token_index: torch.Tensor   # [B] row of each decode token in the flat [T] batch
+    block_tables: torch.Tensor  # [B, max_blocks] (padded with block 0)
+    context_lens: torch.Tensor  # [B]
+    padding: torch.Tensor       # [B, max_blocks * block_size] True where a slot is past the context
+
+
+@dataclass
+class PrefillRows:
+    start: int                  # first row in the flat batch
+    end: int
+    context_slots: torch.Tensor | None  # pool slots of the whole context; None: a fresh prompt
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: DecodeRows,
+                           block_size: int) -> torch.Tensor:
+    """One new token per sequence attending over its blocks. q: [B, H, D] -> [B, H, D].
+
+    Grouped-query attention without repeating K/V: the query heads that share a KV head are
+    that head's rows of one matmul ([Hkv, B, G, D] @ [Hkv, B, D, S])."""
+    hkv, _, d = k_pool.shape
+    b, h, _ = q.shape
+    tables = rows.block_tables
+    # whole blocks in one index_select each (about 2x faster than indexing slot by slot)
+    keys = k_pool.view(hkv, -1, block_size * d).index_select(1, tables.flatten()).view(hkv, b, -1, d)  # [Hkv, B, S, D]
+    values = v_pool.view(hkv, -1, block_size * d).index_select(1, tables.flatten()).view(hkv, b, -1, d)
+    queries = q.view(b, hkv, h // hkv, d).transpose(0, 1)                      # [Hkv, B, G, D]
+    scores = (queries @ keys.transpose(-1, -2)).float() * (1.0 / math.sqrt(d))  # [Hkv, B, G, S]
+    scores.masked_fill_(rows.padding[None, :, None, :], float("-inf"))
+    out = scores.softmax(-1).to(values.dtype) @ values                          # [Hkv, B, G, D]
+    return out.transpose(0, 1).reshape(b, h, d)
+
+
+def prefill_attention(q, k, v, k_pool, v_pool, rows: PrefillRows) -> torch.Tensor:
+    """One sequence's new tokens (q/k/v: [n, heads, D]) attending causally over its context."""
+    n = q.shape[0]
+    if rows.context_slots is None:  # a fresh prompt: its context is exactly its own new tokens
+        keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
+    else:  # earlier chunks or a cached prefix live in the pool: query i sits at position ctx - n + i
+        keys, values = k_pool[:, rows.context_slots], v_pool[:, rows.context_slots]
+        ctx = keys.shape[1]
+        mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(diagonal=ctx - n)
+        causal = False
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, is_causal=causal,
+                                         enable_gqa=True)
+    return out.transpose(0, 1)
+
+
 class PagedAttention(AttentionBackend):
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype, device):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device = device
         self.slot_mapping = slot_mapping  # chapter 02's exercise plugs the attendee's own in here
+        self.decode_attention = paged_decode_attention  # gathers the blocks; a GPU reads them in place:
+        if torch.device(device).type == "cuda":
+            from . import triton_attention  # imports triton only here, and only if it is installed
+            if triton_attention.available(device):
+                self.decode_attention = triton_attention.triton_decode_attention
         slots = num_blocks * block_size
-        # one pool per layer, flat over slots: slot s = block * block_size + offset
-        self.k_pool = [torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_pool = [torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_pool = [torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_pool = [torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @property
     def pool_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k_pool + self.v_pool)
 
     def prepare(self, requests, num_new_tokens) -> AttentionBatch:
+        """Build the step's metadata once; every layer reuses it."""
         batch = super().prepare(requests, num_new_tokens)
-        bs = self.block_size
+        bs, dev = self.block_size, self.device
         writes = []
         for req, n, ctx in zip(requests, num_new_tokens, batch.context_lens):
             writes += self.slot_mapping(req.block_table, ctx - n, n, bs)  # only the new tokens' slots
-        max_q, max_k = max(batch.query_lens), max(batch.context_lens)
-        dev = self.device
-        # reads: every slot of each whole block table at once, cut to the context (padding: slot 0)
-        max_blocks = -(-max_k // bs)
-        tables = torch.zeros(len(requests), max_blocks, dtype=torch.long)
-        for i, req in enumerate(requests):
-            used = -(-batch.context_lens[i] // bs)
-            tables[i, :used] = torch.tensor(req.block_table[:used])
-        gather = (tables[:, :, None] * bs + torch.arange(bs)).flatten(1)[:, :max_k]
-        gather[torch.arange(max_k)[None, :] >= torch.tensor(batch.context_lens)[:, None]] = 0
-        q_index = torch.zeros(len(requests), max_q, dtype=torch.long)
+        decode = [i for i, n in enumerate(batch.query_lens) if n == 1]
+        extra = {"slot_mapping": torch.tensor(writes, dtype=torch.long, device=dev), "decode": None, "prefill": []}
+        if decode:
+            lens = [batch.context_lens[i] for i in decode]
+            width = -(-max(lens) // bs)
+            tables = [requests[i].block_table[:width] for i in decode]
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+            context_lens = torch.tensor(lens)
+            extra["decode"] = DecodeRows(
+                token_index=torch.tensor([batch.query_offsets[i] for i in decode], device=dev),
+                block_tables=tables.to(dev), context_lens=context_lens.to(dev),
+                padding=(torch.arange(width * bs)[None, :] >= context_lens[:, None]).to(dev))
         for i, n in enumerate(batch.query_lens):
-            q_index[i, :n] = torch.arange(batch.query_offsets[i], batch.query_offsets[i] + n)
-        qlen = torch.tensor(batch.query_lens)[:, None, None]
-        ctx = torch.tensor(batch.context_lens)[:, None, None]
-        i = torch.arange(max_q)[None, :, None]
-        j = torch.arange(max_k)[None, None, :]
-        q_valid = i < qlen
-        # query i of a sequence sits at position ctx - qlen + i; padded query rows see key 0 only
-        mask = (j <= ctx - qlen + i) & (j < ctx) & q_valid | (~q_valid & (j == 0))
-        batch.extra = {
-            "slot_mapping": torch.tensor(writes, dtype=torch.long, device=dev),
-            "gather": gather.to(dev),
-            "q_index": q_index.to(dev),
-            "q_valid": q_valid[:, :, 0].to(dev),
-            "mask": mask[:, None].to(dev),
-        }
+            if n > 1:
+                ctx = batch.context_lens[i]
+                slots = None if ctx == n else torch.tensor(self.slot_mapping(requests[i].block_table, 0, ctx, bs),
+                                                           dtype=torch.long, device=dev)
+                extra["prefill"].append(PrefillRows(batch.query_offsets[i], batch.query_offsets[i + 1], slots))
+        batch.extra = extra
         return batch
 
     def attend(self, layer, q, k, v, batch):
         x = batch.extra
         k_pool, v_pool = self.k_pool[layer], self.v_pool[layer]
-        k_pool[x["slot_mapping"]] = k
-        v_pool[x["slot_mapping"]] = v
-        keys = k_pool[x["gather"]].transpose(1, 2)    # [B, Hkv, Lk, D]
-        values = v_pool[x["gather"]].transpose(1, 2)
-        queries = q[x["q_index"]].transpose(1, 2)      # [B, H, Lq, D]
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=x["mask"], enable_gqa=True)
-        return out.transpose(1, 2)[x["q_valid"]]      # back to the flat [T, H, D] order
+        k_pool.index_copy_(1, x["slot_mapping"], k.transpose(0, 1))
+        v_pool.index_copy_(1, x["slot_mapping"], v.transpose(0, 1))
+        rows = x["decode"]
+        if rows is not None and not x["prefill"]:  # the common step: decodes only, already in order
+            return self.decode_attention(q, k_pool, v_pool, rows, self.block_size)
+        out = torch.empty_like(q)
+        if rows is not None:
+            out[rows.token_index] = self.decode_attention(q[rows.token_index], k_pool, v_pool, rows, self.block_size)
+        for p in x["prefill"]:
+            out[p.start:p.end] = prefill_attention(q[p.start:p.end], k[p.start:p.end], v[p.start:p.end],
+                                                   k_pool, v_pool, p)
+        return out

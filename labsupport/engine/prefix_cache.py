@@ -83,10 +83,12 @@ class CPUTier:
 
     def __init__(self, num_blocks: int, k_pool: list[torch.Tensor], v_pool: list[torch.Tensor], block_size: int):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.device_k = [p.view(-1, block_size, *p.shape[1:]) for p in k_pool]  # [blocks, bs, Hkv, D]
-        self.device_v = [p.view(-1, block_size, *p.shape[1:]) for p in v_pool]
+        # pools are [Hkv, slots, D]: block b of a layer is device_k[layer][:, b], [Hkv, bs, D]
+        self.device_k = [p.view(p.shape[0], -1, block_size, p.shape[2]) for p in k_pool]
+        self.device_v = [p.view(p.shape[0], -1, block_size, p.shape[2]) for p in v_pool]
         pin = k_pool[0].device.type == "cuda"
-        shape = (num_blocks, *self.device_k[0].shape[1:])
+        hkv, _, _, d = self.device_k[0].shape
+        shape = (num_blocks, hkv, block_size, d)
         self.host_k = [torch.zeros(shape, dtype=p.dtype, pin_memory=pin) for p in k_pool]
         self.host_v = [torch.zeros(shape, dtype=p.dtype, pin_memory=pin) for p in v_pool]
         self.slot_of: OrderedDict[bytes, tuple[int, tuple]] = OrderedDict()  # hash -> (host slot, tokens)
@@ -104,8 +106,8 @@ class CPUTier:
             self.free_slots.append(slot)
         slot = self.free_slots.pop()
         for layer in range(len(self.host_k)):
-            self.host_k[layer][slot].copy_(self.device_k[layer][device_block], non_blocking=True)
-            self.host_v[layer][slot].copy_(self.device_v[layer][device_block], non_blocking=True)
+            self.host_k[layer][slot].copy_(self.device_k[layer][:, device_block], non_blocking=True)
+            self.host_v[layer][slot].copy_(self.device_v[layer][:, device_block], non_blocking=True)
         self.slot_of[h] = (slot, tokens)
 
     def contains(self, h: bytes, tokens: tuple) -> bool:
@@ -122,5 +124,5 @@ class CPUTier:
         slot, _ = self.slot_of[h]
         self.slot_of.move_to_end(h)
         for layer in range(len(self.host_k)):
-            self.device_k[layer][device_block].copy_(self.host_k[layer][slot], non_blocking=True)
-            self.device_v[layer][device_block].copy_(self.host_v[layer][slot], non_blocking=True)
+            self.device_k[layer][:, device_block].copy_(self.host_k[layer][slot], non_blocking=True)
+            self.device_v[layer][:, device_block].copy_(self.host_v[layer][slot], non_blocking=True)
