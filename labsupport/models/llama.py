@@ -123,6 +123,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+# oneDNN's fp32 matmul, where this torch build has it (x86 CPUs). Measured on a 2-core EPYC (AVX2):
+# on the 49152-wide LM head of a decode step about 1.6x faster than the default BLAS path (one
+# thread: 19 vs 24 ms at 1 row, 59 vs 97 ms at 32 rows); on the layers' narrower products it is
+# no faster, so only the LM head takes it.
+_onednn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+SMALL_M = 64  # rows up to which the LM head takes the oneDNN path (chapter 09's roofline explains why)
+
+
+class LMHead(nn.Linear):
+    """``nn.Linear`` (same weight, same name) with the faster path for decode-sized fp32 batches on
+    the CPU. Prefill-sized products, GPUs and other dtypes take the ordinary ``F.linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (_onednn_linear is not None and x.device.type == "cpu" and x.dtype == torch.float32
+                and x.dim() == 2 and x.shape[0] <= SMALL_M):
+            return _onednn_linear(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -206,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         inv_freq, self.rope_scaling = rope_frequencies(cfg)
