@@ -1,0 +1,104 @@
+"""The Triton paged-attention decode kernel against the PyTorch path, on the CPU, under triton's interpreter.
+
+How the interpreter is switched on, robustly: ``TRITON_INTERPRET=1`` must be set before triton
+is *imported* (the combine functions of ``tl.max`` and ``tl.sum`` are ``@triton.jit`` functions
+themselves, compiled or interpreted as triton defined them at import), and once set it holds for
+every later triton kernel of the process. Within one pytest process neither can be promised
+(another test may have imported triton; a later one may want compiled kernels on a GPU). So
+``test_under_the_interpreter`` runs this file again in a child pytest with the variable set from
+the start, and the checks below run there; in the parent they are skipped with that reason. (Run
+with ``TRITON_INTERPRET=1`` set yourself, they run directly.)
+
+Tolerances: fp32 in, fp32 arithmetic in both paths, different summation order only: 1e-5.
+bf16/fp16 round differently in the two paths (the PyTorch one rounds scores and probabilities to
+the input type; the kernel keeps them in fp32), so each is compared to an fp32 reference computed
+from the same rounded inputs, and must be at least about as close to it as the PyTorch path.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from labsupport import SamplingParams
+from labsupport.bench.gpu_check import random_decode_case as random_case
+from labsupport.engine.paged_attention import paged_decode_attention
+
+from conftest import PROMPTS
+
+pytest.importorskip("triton", minversion="3.7",
+                    reason="triton >= 3.7 runs this kernel on the CPU (older interpreters fail with numpy 2.4)")
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not INTERPRETING, reason="runs in the child pytest of test_under_the_interpreter")
+
+
+@pytest.mark.skipif(INTERPRETING, reason="this is the child: the checks run directly")
+def test_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                           cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=300)
+    print(child.stdout[-2000:])
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    import labsupport.engine.triton_attention as module
+    assert module.INTERPRETED and type(module._decode_kernel).__name__ == "InterpretedFunction"
+    assert module.available("cpu")
+    return module
+
+
+SHAPES = [  # heads, kv_heads, head_dim, block_size
+    (9, 3, 64, 16),    # SmolLM2-135M: 3 query heads per KV head
+    (32, 8, 16, 16),   # Llama-3.1-8B's grouping (4 per KV head), small head_dim
+    (4, 4, 32, 4),     # no grouping, blocks smaller than the kernel's tile
+    (4, 2, 32, 128),   # blocks larger than the kernel's tile
+]
+
+
+def context_lengths(block_size):
+    return [1, max(block_size - 1, 1), block_size, block_size + 1, 3 * block_size + 5, 70]  # 70: two 64-token tiles
+
+
+@interpreted
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", SHAPES)
+def test_kernel_equals_pytorch_path_fp32(kernel, heads, kv_heads, head_dim, block_size):
+    q, k, v, rows = random_case(context_lengths(block_size), heads, kv_heads, head_dim, block_size, torch.float32)
+    got = kernel.triton_decode_attention(q, k, v, rows, block_size)
+    want = paged_decode_attention(q, k, v, rows, block_size)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size, dtype", [
+    (9, 3, 64, 16, torch.bfloat16), (32, 8, 16, 16, torch.bfloat16), (9, 3, 64, 16, torch.float16)])
+def test_kernel_equals_pytorch_path_half(kernel, heads, kv_heads, head_dim, block_size, dtype):
+    q, k, v, rows = random_case(context_lengths(block_size), heads, kv_heads, head_dim, block_size, dtype, seed=1)
+    got = kernel.triton_decode_attention(q, k, v, rows, block_size)
+    assert got.dtype == dtype
+    exact = paged_decode_attention(q.float(), k.float(), v.float(), rows, block_size)
+    torch_error = (paged_decode_attention(q, k, v, rows, block_size).float() - exact).abs().max().item()
+    kernel_error = (got.float() - exact).abs().max().item()
+    assert kernel_error <= max(1.5 * torch_error, 1e-2), (kernel_error, torch_error)
+
+
+@interpreted
+def test_kernel_rejects_what_it_cannot_do(kernel):
+    q, k, v, rows = random_case([5], 2, 1, 32, 16, torch.float32)
+    with pytest.raises(ValueError, match="power-of-two"):
+        kernel.triton_decode_attention(q, k, v, rows, 12)
+
+
+@interpreted
+def test_engine_gives_the_same_greedy_tokens_with_the_kernel(kernel, llm, monkeypatch):
+    """The whole engine (30 layers, prefill then decode steps) with the kernel in place of the gather."""
+    prompts = [PROMPTS[0], " ".join(PROMPTS[1:5])]  # 5 and 24 tokens: one and two 16-token blocks
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)  # a prefill, two decode steps
+    default = llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(llm.engine.backend, "decode_attention", kernel.triton_decode_attention)
+    with_kernel = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in with_kernel] == [o.token_ids for o in default]
