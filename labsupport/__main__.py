@@ -1,4 +1,8 @@
-"""Command line: ``python -m labsupport {generate,serve,prepare,bench}``."""
+"""Command line: ``python -m labsupport {generate,serve,prepare,bench}``.
+
+``bench compare|roofline|profile`` are handed to ``labsupport.bench.cli`` before this parser
+runs; plain ``bench --workload ...`` is parsed here, as in chapters 04-05.
+"""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +10,11 @@ import sys
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    from .bench.cli import SUBCOMMANDS
+    if argv[:1] == ["bench"] and argv[1:2] and argv[1] in SUBCOMMANDS:
+        from .bench.cli import main as bench_main
+        return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m labsupport", description="LLM Serving Lab engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="print the completion of a prompt")
@@ -19,7 +28,9 @@ def main(argv=None):
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", default=None)
     sub.add_parser("prepare", help="convert the embedded default model once (make lab does this)")
-    bench = sub.add_parser("bench", help="run a synthetic workload through the engine and print serving metrics")
+    bench = sub.add_parser("bench", help="run a synthetic workload through the engine and print serving metrics",
+                           epilog="subcommands: bench compare | bench roofline | bench profile (each with --help): "
+                                  "ours vs transformers vs vLLM, the machine's roofline, our engine under the profiler")
     bench.add_argument("--workload", default="poisson", choices=["poisson", "long-prompts"],
                        help="poisson: seeded Poisson arrivals; long-prompts: --num-requests short requests decoding, "
                             "--num-long long prompts arriving among them (chapter 05)")

@@ -1,5 +1,6 @@
 """The benchmark pieces (workload, driver, metrics) and the static-batching baseline."""
 import json
+import os
 import subprocess
 import sys
 
@@ -66,3 +67,96 @@ def test_bench_cli_prints_json_metrics():
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)
     assert summary["requests"] == 3 and summary["total_output_tokens"] == 12
+
+
+# The subcommand tests check what is computed, not how fast: one OpenMP thread keeps them quick
+# when other processes share the 2 cores (two threads then spin-wait, and runs take 5-10x longer).
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def test_comparison_workloads_are_seeded_and_sized(llm):
+    from labsupport.bench.workload import comparison_workloads
+
+    full = comparison_workloads(llm.tokenizer)
+    w1 = full["W1"]
+    assert [len(w1.prompts), {len(p) for p in w1.prompts}, set(w1.max_tokens)] == [32, {200}, {128}]
+    assert len(full["W0"].prompts[0]) == 128 and full["W0"].max_tokens == [256]
+    assert len(full["WV"].prompts) == 48 and all(20 <= len(p) <= 400 for p in full["WV"].prompts)
+    assert all(8 <= m <= 256 for m in full["WV"].max_tokens)
+    w3 = full["W3"]
+    assert w3.prefix_caching and len({tuple(p[:600]) for p in w3.prompts}) == 1
+    again = comparison_workloads(llm.tokenizer, ["W3", "W1"])  # the same ids whichever others are chosen
+    assert again["W1"].prompts == full["W1"].prompts and again["W3"].max_tokens == w3.max_tokens
+    with pytest.raises(ValueError, match="W9"):
+        comparison_workloads(llm.tokenizer, ["W9"])
+
+
+def test_offline_figures_count_decode_after_the_last_first_token():
+    from labsupport.bench.engine_runner import offline_figures
+
+    fig = offline_figures(3.0, [11, 11], first_s=[1.0, 1.0], last_s=[3.0, 3.0])
+    assert fig["output_tok_s"] == pytest.approx(22 / 3) and fig["tpot_ms"] == pytest.approx(200)
+    assert fig["decode_tok_s"] == pytest.approx(10) and fig["median_ttft_ms"] == pytest.approx(1000)
+    assert offline_figures(2.0, [4, 4])["tpot_ms"] == pytest.approx(250)  # no per-request times: wall / tokens
+
+
+def test_roofline_floor_takes_the_slower_of_memory_and_compute():
+    from labsupport.bench.roofline import achieved, decode_floor
+
+    roof = {"read_gbps": 10.0, "matmul": {"fp32": {"decode_gflops": {1: 5.0, 32: 50.0}}},
+            "model": {"weight_bytes": 1e9, "kv_bytes_per_token": 1e3, "matmul_params": 1e8}}
+    one = decode_floor(roof, 1, context_len=1000)
+    assert one["bound"] == "memory" and one["floor_ms"] == pytest.approx(100.1)
+    big = decode_floor(roof, 32, context_len=0)
+    assert big["bound"] == "compute" and big["floor_ms"] == pytest.approx(128)
+    assert achieved(roof, 0.2002, 1, 1000) == pytest.approx(0.5)
+
+
+def test_vllm_runner_skips_with_a_reason_without_its_venv(llm, tmp_path):
+    from labsupport.bench import vllm_runner
+    from labsupport.bench.workload import comparison_workloads
+
+    work = comparison_workloads(llm.tokenizer, ["W0"], quick=True)
+    result = vllm_runner.run(llm.engine.model_path, work, [[1, 2, 3]], python=tmp_path / "nope" / "python")
+    assert "make vllm-env" in result["skipped"]
+
+
+def test_bench_compare_quick_writes_throughputs_ratios_and_roofline(tmp_path):
+    out = tmp_path / "compare.json"
+    done = subprocess.run([sys.executable, "-m", "labsupport", "bench", "compare", "--quick", "--engines",
+                           "labsupport,transformers", "--workloads", "W0,W1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, env=ONE_THREAD)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert "ours/this" in done.stdout and report["machine"]["cores"] >= 1 and report["command"].endswith(str(out))
+    for engine in ("labsupport", "transformers"):
+        for name in ("W0", "W1"):
+            r = report["results"][engine][name]
+            assert r["output_tok_s"] > 0 and r["wall_s"] > 0 and r["tpot_ms"] > 0
+            assert r["output_tokens"] == report["workloads"][name]["output_tokens"]
+    assert all(report["ratios"][name]["labsupport/transformers"] > 0 for name in ("W0", "W1"))
+    agree = report["agreement"]["transformers"]
+    assert agree["agree"] >= agree["prompts"] - 1  # fp32 greedy: the same tokens
+    roof = report["roofline"]
+    figures = [roof["read_gbps"], roof["copy_gbps"], roof["matmul"]["fp32"]["prefill_gflops"],
+               *roof["matmul"]["fp32"]["decode_gflops"].values(),
+               *(f["floor_ms"] for f in roof["decode_floor"].values())]
+    assert all(np.isfinite(x) and x > 0 for x in figures)
+    assert 0 < report["roofline_fraction"]["labsupport"]["W0_tpot"] < 10
+
+
+def test_bench_profile_quick_prints_ops_and_step_breakdown(tmp_path):
+    trace, out = tmp_path / "trace.json", tmp_path / "steps.json"
+    done = subprocess.run([sys.executable, "-m", "labsupport", "bench", "profile", "--quick", "--trace", str(trace),
+                           "--json", str(out)], capture_output=True, text=True, timeout=300, env=ONE_THREAD)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Self CPU" in done.stdout and "prefill" in done.stdout
+    steps = json.loads(out.read_text())
+    assert steps["prefill_steps"] >= 1 and all(d["median_ms"] > 0 for d in steps["decode_steps"].values())
+    assert json.loads(trace.read_text())["traceEvents"]
+
+
+def test_bench_subcommand_rejects_unknown_engine():
+    done = subprocess.run([sys.executable, "-m", "labsupport", "bench", "compare", "--engines", "tgi"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "tgi" in done.stderr

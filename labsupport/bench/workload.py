@@ -64,3 +64,84 @@ def _token_pool(tokenizer, rng) -> list[int]:
     """A few thousand tokens of varied text to cut prompts from."""
     text = " ".join(f"Request {i} asks about topic {rng.randint(0, 10**6)}." for i in range(400))
     return tokenizer(text).input_ids
+
+
+@dataclass
+class ComparisonWorkload:
+    """One offline workload of ``bench compare``: the same token ids for every engine.
+
+    All requests arrive at once, decode greedily and ignore EOS, so each produces exactly its
+    ``max_tokens``: engines differ only in how fast they do identical work. ``hf_batch_size`` is
+    the static batch the transformers baseline uses; ``prefix_caching`` asks the engines that
+    have one to turn their prefix cache on (W3)."""
+
+    name: str
+    description: str
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    hf_batch_size: int
+    prefix_caching: bool = False
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+    def summary(self) -> dict:
+        lens = [len(p) for p in self.prompts]
+        return {"description": self.description, "requests": len(self.prompts), "prompt_tokens": sum(lens),
+                "prompt_len_min_max": [min(lens), max(lens)], "output_tokens": self.output_tokens,
+                "max_tokens_min_max": [min(self.max_tokens), max(self.max_tokens)],
+                "hf_batch_size": self.hf_batch_size, "prefix_caching": self.prefix_caching}
+
+
+COMPARISON_WORKLOADS = ("W0", "W1", "WV", "W3")
+
+
+def comparison_workloads(tokenizer, names=COMPARISON_WORKLOADS, quick: bool = False,
+                         seed: int = 0) -> dict[str, ComparisonWorkload]:
+    """The workloads of ``bench compare`` by name; ``quick`` gives tiny versions for tests.
+
+    W0: one request (TPOT, the latency floor). W1: a uniform batch (throughput). WV: varied
+    prompt and output lengths (where static batching wastes slots). W3: chapter 03's shape, a long
+    shared system prompt with a short question each (what a prefix cache saves)."""
+    unknown = set(names) - set(COMPARISON_WORKLOADS)
+    if unknown:
+        raise ValueError(f"unknown workloads {sorted(unknown)}: choose from {', '.join(COMPARISON_WORKLOADS)}")
+    out = {}
+    for name in names:
+        rng = random.Random(f"{name}-{seed}")  # each workload the same whichever others are chosen
+        pool = _token_pool(tokenizer, rng)
+
+        def cut(n):
+            start = rng.randrange(0, len(pool) - n)
+            return pool[start:start + n]
+
+        if name == "W0":
+            n_in, n_out = (32, 16) if quick else (128, 256)
+            w = ComparisonWorkload(name, f"1 request, {n_in}-token prompt, {n_out} out (TPOT)", [cut(n_in)],
+                                   [n_out], 1)
+        elif name == "W1":
+            n, n_in, n_out = (4, 32, 16) if quick else (32, 200, 128)
+            w = ComparisonWorkload(name, f"{n} prompts x {n_in} tokens, {n_out} out each",
+                                   [cut(n_in) for _ in range(n)], [n_out] * n, 32)
+        elif name == "WV":
+            n, (lo, hi), (olo, ohi), batch = (6, (8, 48), (4, 16), 4) if quick else (48, (20, 400), (8, 256), 16)
+            lens = [rng.randint(lo, hi) for _ in range(n)]
+            w = ComparisonWorkload(name, f"{n} prompts of {lo}-{hi} tokens, {olo}-{ohi} out (uniform)",
+                                   [cut(k) for k in lens], [rng.randint(olo, ohi) for _ in range(n)], batch)
+        else:
+            n, shared, own, (olo, ohi) = (4, 64, 8, (4, 8)) if quick else (16, 600, 32, (8, 32))
+            prefix = pool[:shared]
+            w = ComparisonWorkload(name, f"{n} requests sharing a {shared}-token prefix + {own} own, "
+                                         f"{olo}-{ohi} out (prefix caching on)",
+                                   [prefix + cut(own) for _ in range(n)],
+                                   [rng.randint(olo, ohi) for _ in range(n)], n, prefix_caching=True)
+        out[name] = w
+    return out
+
+
+def warmup_prompts(tokenizer, n: int = 4, length: int = 24, seed: int = 12345) -> list[list[int]]:
+    """A few prompts unlike any workload's, to warm an engine up without filling its prefix cache."""
+    rng = random.Random(seed)
+    pool = _token_pool(tokenizer, rng)[::-1]
+    return [pool[i * length:(i + 1) * length] for i in range(n)]

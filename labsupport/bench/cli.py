@@ -1,0 +1,59 @@
+"""``python -m labsupport bench {compare,roofline,profile}``: the measuring subcommands.
+
+``python -m labsupport bench --workload ...`` (flat flags, chapters 04-05) stays as it was:
+``__main__`` sends argv here only when the word after ``bench`` is one of ``SUBCOMMANDS``, so
+the old parser never sees a subcommand and these never see the old flags.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+SUBCOMMANDS = ("compare", "roofline", "profile")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import compare, profiling
+
+    parser = argparse.ArgumentParser(prog="python -m labsupport bench",
+                                     description="compare engines, measure the roofline, profile our engine")
+    sub = parser.add_subparsers(dest="subcommand", required=True)
+    cmp = sub.add_parser("compare", help="ours vs transformers vs vLLM on identical token ids (+ roofline)")
+    compare.add_arguments(cmp)
+    roof = sub.add_parser("roofline", help="measure memory bandwidth and matmul rates; decode-step floors")
+    roof.add_argument("--quick", action="store_true", help="shorter timing rounds, bf16 at M=1 only")
+    roof.add_argument("--json", metavar="FILE", default=None)
+    prof = sub.add_parser("profile", help="our engine under torch.profiler: top ops, trace, step breakdown")
+    profiling.add_arguments(prof)
+    prof.add_argument("--json", metavar="FILE", default=None, help="write the step breakdown")
+    for p in (cmp, roof, prof):
+        p.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2-135M-Instruct)")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    from .roofline import warn_if_busy
+    try:
+        if args.subcommand != "compare":  # compare checks, and records it in its JSON
+            warn_if_busy()
+        if args.subcommand == "compare":
+            from .compare import main as compare_main
+            return compare_main(args, ["bench", *argv])
+        if args.subcommand == "profile":
+            from .profiling import main as profile_main
+            return profile_main(args)
+        import json
+
+        from ..models.loader import resolve_model_path
+        from .roofline import format_roofline, measure
+        roof = measure(resolve_model_path(args.model), quick=args.quick)
+        print(format_roofline(roof))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(roof, f, indent=2)
+            print(f"wrote {args.json}")
+        return 0
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
