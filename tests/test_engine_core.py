@@ -47,16 +47,16 @@ class FakeRunner:
 
     def __init__(self, num_blocks: int, block_size: int):
         self.bs = block_size
-        self.k = [torch.full((num_blocks * block_size, 1, 1), -1.0)]
-        self.v = [torch.zeros(num_blocks * block_size, 1, 1)]
+        self.k = [torch.full((1, num_blocks * block_size, 1), -1.0)]  # the engine's layout: [Hkv, slots, D]
+        self.v = [torch.zeros(1, num_blocks * block_size, 1)]
 
     def execute(self, out) -> list[int]:
         sampled = []
         for req, n in zip(out.requests, out.num_new_tokens):
             start = req.num_computed_tokens
             slots = slot_mapping(req.block_table, start, n, self.bs)
-            self.k[0][slots, 0, 0] = torch.tensor(req.all_token_ids[start:start + n], dtype=torch.float32)
-            seen = self.k[0][slot_mapping(req.block_table, 0, start + n, self.bs), 0, 0].long().tolist()
+            self.k[0][0, slots, 0] = torch.tensor(req.all_token_ids[start:start + n], dtype=torch.float32)
+            seen = self.k[0][0, slot_mapping(req.block_table, 0, start + n, self.bs), 0].long().tolist()
             sampled.append(next_token(seen))
         return sampled
 
@@ -72,7 +72,7 @@ def check_invariants(s: Scheduler, kv: KVCacheManager, runner: FakeRunner, reque
     if kv.prefix_cache is not None:
         for h, b in kv.prefix_cache.block_of.items():
             _, tokens = kv.prefix_cache.entry_of[b]
-            held = runner.k[0][b * bs:(b + 1) * bs, 0, 0].long().tolist()
+            held = runner.k[0][0, b * bs:(b + 1) * bs, 0].long().tolist()
             assert held == list(tokens), f"cached block {b} does not hold the tokens its hash names"
     for req in requests:
         assert 0 <= req.num_computed_tokens <= req.num_tokens

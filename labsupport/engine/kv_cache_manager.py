@@ -61,8 +61,9 @@ class KVManager:
     def release(self, req):
         """The request left or was preempted: give back all it holds."""
 
-    def cache_full_blocks(self, req):
-        """Offer the request's computed full blocks to later requests (prefix caching)."""
+    def cache_full_blocks(self, req, num_tokens: int | None = None):
+        """Offer the request's full blocks up to ``num_tokens`` (default: the computed ones) to other
+        requests (prefix caching)."""
 
     def stats(self) -> dict:
         return {}
@@ -157,8 +158,14 @@ class KVCacheManager(KVManager):
         for _ in range(missing):
             req.block_table.append(self._new_block())
         self.tables[req.request_id] = req
+        # Offer the full blocks this step computes now, not after the step: a request admitted later in
+        # the same step shares them (the step writes every new token's K/V before any attention reads).
+        self.cache_full_blocks(req, req.num_computed_tokens + num_new_tokens)
 
     def release(self, req):
+        if self.prefix_cache is not None:  # blocks offered for a step that failed never got their KV
+            for i in range(req.num_computed_tokens // self.block_size, len(req.block_hashes)):
+                self.prefix_cache.evict(req.block_table[i])
         for block in reversed(req.block_table):  # tail first: the shared prefix stays cached longest
             self.allocator.free(block)
         req.block_table = []
@@ -230,11 +237,11 @@ class KVCacheManager(KVManager):
             self.counters["cpu_tier_hits"] += reused - len(hit.device_blocks)
         return reused * self.block_size
 
-    def cache_full_blocks(self, req):
+    def cache_full_blocks(self, req, num_tokens=None):
         if self.prefix_cache is None:
             return
         bs = self.block_size
-        full = req.num_computed_tokens // bs
+        full = (req.num_computed_tokens if num_tokens is None else num_tokens) // bs
         if full <= len(req.block_hashes):
             return
         tokens = req.all_token_ids[:full * bs]
