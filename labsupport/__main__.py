@@ -63,6 +63,8 @@ def main(argv=None):
         p.add_argument("--max-model-len", type=int, default=None)
         p.add_argument("--enable-prefix-caching", action="store_true")
         p.add_argument("--cpu-offload-blocks", type=int, default=0, help="CPU tier size in blocks (prefix caching)")
+        p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                       help="share of the GPU's total memory for weights + KV cache (default 0.2: several engines fit)")
     srv.add_argument("--enable-result-cache", action="store_true")
     args = parser.parse_args(argv)
 
@@ -75,6 +77,8 @@ def main(argv=None):
         options = dict(kv_cache=args.kv_cache, block_size=args.block_size, num_blocks=args.num_blocks,
                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                        enable_prefix_caching=args.enable_prefix_caching, cpu_offload_blocks=args.cpu_offload_blocks)
+        if args.gpu_memory_utilization is not None:
+            options["gpu_memory_utilization"] = args.gpu_memory_utilization
         if args.command == "bench":
             options.update(scheduling_policy=args.scheduling_policy, enable_chunked_prefill=args.enable_chunked_prefill,
                            max_num_batched_tokens=args.max_num_batched_tokens,

@@ -10,6 +10,7 @@ dict ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``; a dict may carry ``"
 ``enable_result_cache=True`` puts an exact-match result cache in front of the engine
 (``labsupport.serve.result_cache``); ``generate(..., use_result_cache=False)`` bypasses it.
 ``with llm.plugged(schedule_fn=...)`` runs the engine on an exercise's piece for a while.
+``llm.shutdown()`` returns the engine's memory at once (engines of one model share its weights).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class LLM:
         Every prompt is checked before any is queued, so a bad one loses nothing. If the call
         raises or is interrupted (the notebook's stop button), the requests it added are aborted
         and their memory freed: the next call runs only its own."""
+        self.engine.check_alive()
         single = isinstance(prompts, (str, dict)) or is_chat(prompts)
         prompts = [prompts] if single else list(prompts)
         if not prompts:
@@ -73,6 +75,12 @@ class LLM:
     def plugged(self, **pieces):
         """``with llm.plugged(schedule_fn=schedule): ...``: see ``LLMEngine.plugged``."""
         return self.engine.plugged(**pieces)
+
+    def shutdown(self):
+        """Abort unfinished requests and return this LLM's memory now (KV cache, its hold on the weights):
+        ``LLMEngine.shutdown``. Idempotent; a later ``generate`` raises RuntimeError. An ``LLM`` that
+        is simply dropped (``del llm``) frees the same memory once the last reference to it goes."""
+        self.engine.shutdown()
 
     def stats(self) -> dict:
         hits = self.result_cache.hits if self.result_cache is not None else 0

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+CPU_KV_CACHE_BYTES = 1 << 30  # the default KV budget on the CPU (on a GPU: gpu_memory_utilization)
+
 RUNTIME_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
                    "long_prefill_token_threshold", "scheduling_policy")
 
@@ -16,7 +18,20 @@ RUNTIME_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_pre
 @dataclass
 class EngineConfig:
     """Engine options, with vLLM's names. The scheduler reads this object at every step; change an
-    option while the engine lives with ``LLMEngine.set_options``, which validates it first."""
+    option while the engine lives with ``LLMEngine.set_options``, which validates it first.
+
+    The KV pool's size (``kv_cache="paged"``): ``num_blocks`` if given, else as many blocks as
+    ``kv_cache_memory_bytes`` holds, else a default budget. On a GPU that default follows vLLM's
+    ``gpu_memory_utilization``: the fraction of the device's *total* memory this engine may use
+    for its weights, an activation reserve (estimated from ``max_num_batched_tokens`` and the
+    model's widths) and its KV cache; the KV cache gets what is left. Our default is 0.2, not
+    vLLM's 0.9: a chapter runs two to four engines in one kernel and may start vLLM beside them,
+    so each engine takes a fifth of the device (four engines leave a fifth for anything else;
+    give vLLM its own ``gpu_memory_utilization`` of at most what is left). The engine raises
+    ValueError, naming the option to change, if the share cannot hold the weights or one
+    ``max_model_len`` sequence, or if less memory is free than the share needs. On the CPU the
+    default budget is a fixed 1 GiB (``CPU_KV_CACHE_BYTES``), and ``gpu_memory_utilization`` is unused.
+    """
 
     model: str | None = None
     device: str = "auto"
@@ -26,8 +41,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     kv_cache: str = "paged"  # "paged" (blocks, ch. 02), "contiguous" (per request, ch. 01), "none" (ch. 00)
     block_size: int = 16
-    num_blocks: int | None = None  # default: as many as kv_cache_memory_bytes holds
-    kv_cache_memory_bytes: int | None = None  # default: 1 GiB on CPU, 90% of free GPU memory
+    num_blocks: int | None = None  # wins over both below; default: as many as the KV budget holds
+    kv_cache_memory_bytes: int | None = None  # the KV budget in bytes; wins over gpu_memory_utilization
+    gpu_memory_utilization: float = 0.2  # GPU only: this engine's share of the device's *total* memory
     enable_prefix_caching: bool = False
     cpu_offload_blocks: int = 0  # CPU tier for blocks evicted from the pool (needs prefix caching)
     enable_chunked_prefill: bool = False
@@ -47,6 +63,10 @@ class EngineConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        util = self.gpu_memory_utilization
+        if not isinstance(util, (int, float)) or isinstance(util, bool) or not 0 < util <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1] of the GPU's total memory, "
+                             f"got {util!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -59,3 +79,35 @@ class EngineConfig:
             raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill=True")
         if self.cpu_offload_blocks and not self.enable_prefix_caching:
             raise ValueError("cpu_offload_blocks needs enable_prefix_caching=True: the CPU tier holds cached blocks")
+
+
+def gpu_kv_cache_bytes(c: EngineConfig, model, weight_bytes: int, per_block: int, free: int, total: int) -> int:
+    """vLLM's rule for the default KV budget on a GPU: the engine's share of the device's *total*
+    memory (``gpu_memory_utilization``), less its weights and an activation reserve.
+
+    ``model`` is the ``ModelConfig``; ``c.max_model_len`` must be set (the engine's resolved config);
+    ``free``/``total`` are the device's bytes (``device_memory``). Weights shared with another engine
+    count for each (a safe overestimate). The reserve is a few float32 [tokens, width] tensors of the
+    largest step (``max_num_batched_tokens``) and its logits. Raises ValueError, naming the option to
+    change, when the share cannot hold the weights and one ``max_model_len`` sequence, or when less
+    memory is free than the share asks for."""
+    gib = 2**30
+    share = int(c.gpu_memory_utilization * total)
+    width = 2 * model.hidden_size + 2 * model.intermediate_size + (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+    reserve = 4 * (c.max_num_batched_tokens * width + c.max_num_seqs * model.vocab_size)
+    kv_bytes = share - weight_bytes - reserve
+    one_seq = -(-c.max_model_len // c.block_size) * per_block
+    said = (f"gpu_memory_utilization={c.gpu_memory_utilization} gives this engine {share / gib:.2f} GiB of the device's "
+            f"{total / gib:.2f} GiB; its weights take {weight_bytes / gib:.2f} GiB, activations {reserve / gib:.2f} GiB")
+    if kv_bytes <= 0:
+        raise ValueError(f"{said}: nothing is left for the KV cache. Raise gpu_memory_utilization "
+                         "(or lower max_num_batched_tokens), or give kv_cache_memory_bytes or num_blocks")
+    if kv_bytes < one_seq:
+        raise ValueError(f"{said}, leaving {kv_bytes / gib:.2f} GiB for the KV cache, but one sequence of "
+                         f"max_model_len={c.max_model_len} tokens needs {one_seq / gib:.2f} GiB. Raise "
+                         "gpu_memory_utilization or lower max_model_len, or give kv_cache_memory_bytes or num_blocks")
+    if kv_bytes + reserve > free:
+        raise ValueError(f"{said}, its KV cache {kv_bytes / gib:.2f} GiB, but only {free / gib:.2f} GiB of the device "
+                         "is free (other engines or processes hold the rest). Lower gpu_memory_utilization, or free "
+                         "memory: llm.shutdown() an engine you no longer need")
+    return kv_bytes

@@ -17,10 +17,10 @@ import logging
 import time
 import torch
 
-from ..models.loader import load_model, resolve_device
+from ..models.loader import device_memory, load_model, resolve_device
 from .attention import ContiguousAttention, RecomputeAttention
 from .block_pool import blocks_needed
-from .config import RUNTIME_OPTIONS, EngineConfig
+from .config import CPU_KV_CACHE_BYTES, RUNTIME_OPTIONS, EngineConfig, gpu_kv_cache_bytes
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import ContiguousKVManager, KVCacheManager, KVManager
 from .paged_attention import PagedAttention
@@ -67,11 +67,16 @@ class LLMEngine:
         return kv, backend
 
     def _blocks_in_budget(self, dtype) -> int:
-        cfg = self.model.config
-        budget = self.config.kv_cache_memory_bytes
-        if budget is None:
-            budget = int(0.9 * torch.cuda.mem_get_info()[0]) if self.device.type == "cuda" else 1 << 30
-        per_block = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize * self.config.block_size
+        """Blocks of the default pool: as many as ``kv_cache_memory_bytes`` holds; without it, on a GPU,
+        what ``gpu_memory_utilization`` leaves (``gpu_kv_cache_bytes``), on the CPU ``CPU_KV_CACHE_BYTES``."""
+        cfg, c = self.model.config, self.config
+        per_block = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize * c.block_size
+        budget = c.kv_cache_memory_bytes
+        if budget is None and self.device.type == "cuda":
+            weights = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
+            budget = gpu_kv_cache_bytes(c, cfg, weights, per_block, *device_memory(self.device))
+        elif budget is None:
+            budget = CPU_KV_CACHE_BYTES
         if budget < per_block:
             raise ValueError(f"kv_cache_memory_bytes={budget} holds no block of {per_block} bytes")
         return budget // per_block
@@ -175,6 +180,7 @@ class LLMEngine:
 
     def check_prompt(self, prompt_token_ids: list[int]):
         """Raise ValueError, saying what to change, for a prompt this engine can never run."""
+        self.check_alive()
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: give at least one token of text")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
@@ -200,6 +206,7 @@ class LLMEngine:
 
     def step(self) -> list[Request]:
         """One forward pass. Returns the requests that received a token (finished ones included)."""
+        self.check_alive()
         began = time.perf_counter()
         out = None
         try:
@@ -252,6 +259,32 @@ class LLMEngine:
 
     def abort(self, req: Request):
         self.abort_requests([req])
+
+    is_shut_down = False  # set by shutdown(): the engine's memory is returned and it takes no more work
+
+    def shutdown(self):
+        """Abort unfinished requests and return the engine's memory now: the KV pool (and CPU tier, or
+        contiguous caches) and the engine's reference to the model, whose weights go once no other
+        engine shares them. Idempotent; afterwards ``add_request`` and ``step`` raise RuntimeError."""
+        if self.is_shut_down:
+            return
+        self.is_shut_down = True
+        try:
+            self.abort_requests([*self.scheduler.running, *self.scheduler.waiting])
+        finally:  # even if a plugged piece raised while freeing: the memory goes
+            if isinstance(self.backend, PagedAttention):
+                self.backend.k_pool, self.backend.v_pool = [], []
+            if isinstance(self.kv, ContiguousKVManager):
+                self.kv.caches.clear()
+            if isinstance(self.kv, KVCacheManager):
+                self.kv.cpu_tier = None  # its views would keep the pool alive
+            self.model = self.runner.model = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def check_alive(self):
+        if self.is_shut_down:
+            raise RuntimeError("this engine was shut down; create a new LLM")
 
     def _forget(self, req: Request):
         self.detokenizers.pop(req.request_id, None)

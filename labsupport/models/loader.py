@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -122,8 +123,59 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+class SharedWeights(dict):
+    """A checkpoint's tensors on one device in one dtype, loaded once per process and shared, read-only,
+    by every model ``load_model`` builds from them. Each model keeps it alive (``model.shared_weights``);
+    when the last one is gone, so are the tensors, and so is the entry of ``_WEIGHTS``."""
+
+
+_WEIGHTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (folder, device, dtype, files) -> weights
+
+
+def shared_weights(folder: Path, device: torch.device, dtype: torch.dtype, tied: bool) -> SharedWeights:
+    """The weights of ``folder`` on ``device`` in ``dtype``: the ones another live model uses, else loaded now.
+
+    Engines never write their weights, so two engines of one model in one kernel (every chapter
+    has several) need one copy, not one each. A rewritten checkpoint (new size or mtime) loads anew."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                  for p in sorted(folder.glob("*.safetensors")) + [folder / "config.json"])
+    key = (str(folder.resolve()), str(device), dtype, tied, stamp)
+    weights = _WEIGHTS.get(key)
+    if weights is None:
+        state = load_weights(folder)
+        if tied:
+            state.pop("lm_head.weight", None)
+        weights = SharedWeights()
+        for name in list(state):  # one tensor at a time: a converted copy never doubles the whole model
+            weights[name] = state.pop(name).to(device=device, dtype=dtype)
+        _WEIGHTS[key] = weights
+    return weights
+
+
+def device_memory(device: str | torch.device) -> tuple[int, int]:
+    """``(free, total)`` bytes of ``device``'s memory: on CUDA the driver's figures, else the machine's RAM.
+
+    The engine reads device memory only here (``LLMEngine._blocks_in_budget``), so a test can put a
+    fake figure in with ``monkeypatch.setattr("labsupport.engine.engine.device_memory", ...)``."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)
+    page, total = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_PHYS_PAGES")
+    free = os.sysconf("SC_AVPHYS_PAGES") if "SC_AVPHYS_PAGES" in os.sysconf_names else total
+    return free * page, total * page
+
+
 def load_model(model=None, device="auto", dtype="auto"):
-    """Return ``(LlamaForCausalLM, tokenizer, folder)`` ready for inference on ``device``."""
+    """Return ``(LlamaForCausalLM, tokenizer, folder)`` ready for inference on ``device``.
+
+    Models of the same folder, device and dtype share their weight tensors (``shared_weights``);
+    each gets its own module, so nothing one engine does to its module reaches another."""
+    if str(model).startswith("random:"):  # a shape of RANDOM_MODELS with random weights: no files at all
+        device = resolve_device(device)
+        net = random_model(random_config(str(model)), device, resolve_dtype(dtype, device))
+        return net, ByteTokenizer(), Path(model)
     from transformers import AutoTokenizer
 
     folder = resolve_model_path(model)
@@ -132,10 +184,8 @@ def load_model(model=None, device="auto", dtype="auto"):
     cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
     with torch.device("meta"):
         net = LlamaForCausalLM(cfg)
-    state = load_weights(folder)
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    state = shared_weights(folder, device, dtype, cfg.tie_word_embeddings)
+    net.shared_weights = state  # keeps the shared copy (and its cache entry) alive while this model lives
     missing, unexpected = net.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
@@ -146,3 +196,61 @@ def load_model(model=None, device="auto", dtype="auto"):
     net.inv_freq = rope_frequencies(cfg)[0].to(device)  # buffers made on "meta" hold no data
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return net.eval(), tokenizer, folder
+
+
+# ------------------------------------------------------------------ random weights: timing without a checkpoint
+
+# ``LLM(model="random:<name>")``: one of these shapes with random weights (``python -m labsupport.bench.gpu_check``)
+RANDOM_MODELS = {
+    "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                                num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+                                max_position_embeddings=8192, tie_word_embeddings=True),
+    "llama-3.1-8b": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                                num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+                                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                                max_position_embeddings=131072),
+    "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True),
+}
+
+
+def random_config(spec: str) -> ModelConfig:
+    name = spec.removeprefix("random:")
+    if name not in RANDOM_MODELS:
+        raise ValueError(f"unknown random model {name!r}: choose random:{', random:'.join(RANDOM_MODELS)}")
+    return RANDOM_MODELS[name]
+
+
+def random_model(cfg: ModelConfig, device, dtype, seed: int = 0) -> LlamaForCausalLM:
+    """A model of shape ``cfg`` with random weights, made directly on ``device`` in ``dtype`` (nothing is
+    read from or written to disk). Its tokens mean nothing; its speed is that of the real model, which
+    is what a benchmark of a checkpoint that is not at hand (Llama-3.1-8B on a bare GPU machine) needs."""
+    with torch.device("meta"):
+        net = LlamaForCausalLM(cfg)
+    net = net.to(dtype).to_empty(device=device)
+    if cfg.tie_word_embeddings:
+        net.lm_head.weight = net.model.embed_tokens.weight  # to_empty made two tensors of the tied one
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    net.inv_freq = rope_frequencies(cfg)[0].to(device)
+    return net.eval()
+
+
+class ByteTokenizer:
+    """The tokenizer of a ``random:`` model, which has none: text is its UTF-8 bytes (ids 0-255) and
+    every id decodes to `` <id>``. Enough for the engine: no EOS, incremental decoding works."""
+
+    eos_token_id = None
+
+    def __call__(self, text: str, add_special_tokens: bool = True):
+        from types import SimpleNamespace
+        return SimpleNamespace(input_ids=list(text.encode()))
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(f" <{i}>" for i in ids)
