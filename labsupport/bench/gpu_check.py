@@ -1,0 +1,359 @@
+"""``make gpu-check``: what only a GPU can tell about this engine, in one prepared run (< 8 min on one H200).
+
+1. **kernel**: the Triton paged-attention decode kernel (``engine/triton_attention.py``) against
+   the PyTorch path (``paged_decode_attention``), fp32 and bf16, at SmolLM2's and Llama-3.1-8B's
+   head shapes (max abs error), and both timed at batch 64, context 1024.
+2. **decode**: one decode step of the real engine pieces (``LlamaForCausalLM``, ``PagedAttention``,
+   ``ModelRunner``) at batch 64, contexts 512-1024, for a Llama-3.1-8B- and a SmolLM2-135M-shaped
+   model with random bf16 weights. Reported as achieved memory bandwidth, (weights + KV read per
+   step) / step time, and as a fraction of the device-to-device copy bandwidth measured here; the
+   target is 70 %. Timed as the engine runs it (eager, Python launching every kernel) and as the
+   same forward replayed from a CUDA graph (what the GPU itself needs).
+3. **w1**: bench compare's W1 shape (32 prompts x 200 tokens, 128 out each, greedy, ignore_eos)
+   through the real ``LLM``/``LLMEngine`` with random SmolLM2-shaped weights, with each decode path.
+
+It needs no checkpoint, tokenizer, network or venv: models are random weights of the named shapes,
+built on the device (``LLM(model="random:smollm2-135m")``, ``models/loader.py``). Without CUDA
+every part says why it is skipped; ``--device cpu --quick`` runs tiny versions of all three on the
+CPU (the kernel under triton's interpreter) so that the script itself is tested
+(``tests/test_gpu_check.py``). Exit status 1 if the kernel disagrees or a part fails.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import os
+import platform
+import random
+import sys
+import time
+import traceback
+from types import SimpleNamespace
+
+import torch
+
+HEAD_SHAPES = {"smollm2-135m": (9, 3, 64), "llama-3.1-8b": (32, 8, 128)}  # query heads, KV heads, head_dim
+BLOCK_SIZE = 16
+TARGET = 0.70  # of the measured copy bandwidth
+
+
+def random_decode_case(lens, heads, kv_heads, head_dim, block_size, dtype, device="cpu", seed=0):
+    """q, K/V pools and ``DecodeRows`` for decode rows of context ``lens``: random values in every slot
+    (block 0 too, so an unmasked padding slot shows) and shuffled, non-contiguous block tables padded
+    with block 0, as ``PagedAttention.prepare`` builds them."""
+    from ..engine.paged_attention import DecodeRows
+
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = [-(-n // block_size) for n in lens]
+    num_blocks = sum(per_seq) + 3
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    width, tables = max(per_seq), []
+    for n in per_seq:
+        tables.append(order[:n] + [0] * (width - n))
+        order = order[n:]
+    dev_gen = torch.Generator(device=device).manual_seed(seed)
+    shape = (kv_heads, num_blocks * block_size, head_dim)
+    k_pool, v_pool = (torch.randn(shape, generator=dev_gen, device=device).to(dtype) for _ in range(2))
+    q = torch.randn(len(lens), heads, head_dim, generator=dev_gen, device=device).to(dtype)
+    context_lens = torch.tensor(lens)
+    rows = DecodeRows(token_index=torch.arange(len(lens), device=device),
+                      block_tables=torch.tensor(tables, device=device), context_lens=context_lens.to(device),
+                      padding=(torch.arange(width * block_size)[None, :] >= context_lens[:, None]).to(device))
+    return q, k_pool, v_pool, rows
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timeit(fn, device, iters: int, rounds: int = 3, warmup: int = 2) -> float:
+    """Seconds per call: the best round's mean (a ceiling of speed, like a roofline's)."""
+    for _ in range(warmup):
+        fn()
+    best = math.inf
+    for _ in range(rounds):
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync(device)
+        best = min(best, (time.perf_counter() - start) / iters)
+    return best
+
+
+def copy_bandwidth(device, nbytes: int) -> float:
+    """Bytes per second of a device-to-device copy, counting what is read and what is written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(7)  # touched: no zero-page reads
+    dst = torch.empty_like(src).fill_(0)
+    seconds = timeit(lambda: dst.copy_(src), device, iters=10)
+    return 2 * nbytes / seconds
+
+
+def decode_paths(device) -> dict:
+    """The decode paths that can run here: always PyTorch's; the kernel on CUDA or under the interpreter."""
+    from ..engine import triton_attention
+    from ..engine.paged_attention import paged_decode_attention
+
+    paths = {"torch": paged_decode_attention}
+    if triton_attention.available(device):
+        paths["triton"] = triton_attention.triton_decode_attention
+    return paths
+
+
+# ------------------------------------------------------------------ 1. the kernel
+
+def check_kernel(device, quick: bool) -> dict:
+    from ..engine.paged_attention import PagedAttention, paged_decode_attention
+
+    paths = decode_paths(device)
+    if "triton" not in paths:
+        return {"skipped": "triton is not installed (pip install triton), or no CUDA and TRITON_INTERPRET unset"}
+    kernel = paths["triton"]
+    engine_path = PagedAttention(1, 1, BLOCK_SIZE, 1, 16, torch.float32, device).decode_attention.__name__
+    out = {"engine_default_decode_path": engine_path, "agreement": {}, "timing": {}, "ok": True}
+    lens = [1, 15, 16, 17, 40] if quick else [1, 15, 16, 17, 100, 1000, 2049]
+    for name, (h, hkv, d) in HEAD_SHAPES.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, v, rows = random_decode_case(lens, h, hkv, d, BLOCK_SIZE, dtype, device)
+            got = kernel(q, k, v, rows, BLOCK_SIZE).float()
+            ref = paged_decode_attention(q, k, v, rows, BLOCK_SIZE).float()
+            row = {"max_abs_error": (got - ref).abs().max().item()}
+            if dtype == torch.float32:
+                row["ok"] = row["max_abs_error"] < 1e-4
+            else:  # both paths round differently: judge each against fp32 arithmetic on the same inputs
+                exact = paged_decode_attention(q.float(), k.float(), v.float(), rows, BLOCK_SIZE)
+                row["kernel_vs_fp32"] = (got - exact).abs().max().item()
+                row["torch_vs_fp32"] = (ref - exact).abs().max().item()
+                row["ok"] = row["kernel_vs_fp32"] <= max(1.5 * row["torch_vs_fp32"], 1e-2)
+            out["agreement"][f"{name} {str(dtype).removeprefix('torch.')}"] = row
+            out["ok"] &= row["ok"]
+    batch, context = (4, 64) if quick else (64, 1024)
+    for name, (h, hkv, d) in HEAD_SHAPES.items():
+        q, k, v, rows = random_decode_case([context] * batch, h, hkv, d, BLOCK_SIZE, torch.bfloat16, device)
+        kv_bytes = 2 * batch * context * hkv * d * k.element_size()
+        row = {"batch": batch, "context": context, "kv_bytes": kv_bytes}
+        for path, fn in paths.items():
+            seconds = timeit(lambda: fn(q, k, v, rows, BLOCK_SIZE), device, iters=1 if quick else 20,
+                             rounds=1 if quick else 3)
+            row[f"{path}_ms"], row[f"{path}_kv_gb_s"] = seconds * 1e3, kv_bytes / seconds / 1e9
+        row["speedup"] = row["torch_ms"] / row["triton_ms"]
+        out["timing"][name] = row
+    return out
+
+
+# ------------------------------------------------------------------ 2. one decode step of the engine
+
+def check_decode(device, quick: bool, dtype, copy_bw: float) -> dict:
+    from ..models.loader import RANDOM_MODELS
+
+    batch, (lo, hi) = (4, (24, 40)) if quick else (64, (512, 1024))
+    lens = [lo + (hi - lo) * i // max(batch - 1, 1) for i in range(batch)]
+    out = {"batch": batch, "context_min_max": [lo, hi], "mean_context": sum(lens) / batch}
+    for name in ("llama-3.1-8b", "smollm2-135m"):
+        cfg = RANDOM_MODELS[name]
+        if quick:  # the head shapes stay; the rest shrinks to what a CPU runs in a second
+            cfg = dataclasses.replace(cfg, num_layers=2, hidden_size=128, intermediate_size=256, vocab_size=1024)
+        out[name] = time_decode_step(cfg, lens, device, dtype, copy_bw, quick)
+        free_memory(device)
+    return out
+
+
+def time_decode_step(cfg, lens, device, dtype, copy_bw: float, quick: bool) -> dict:
+    """One decode step of ``len(lens)`` sequences through ``ModelRunner.execute``, with each decode path."""
+    from ..engine.paged_attention import PagedAttention
+    from ..engine.runner import ModelRunner
+    from ..engine.scheduler import SchedulerOutput
+    from ..models.loader import random_model
+
+    model = random_model(cfg, device, dtype)
+    embedding = model.model.embed_tokens.weight  # read only at B rows, unless it is also the LM head
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
+                       if p is not embedding or cfg.tie_word_embeddings)
+    kv_bytes = sum(lens) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    num_blocks = sum(-(-(n + 1) // BLOCK_SIZE) for n in lens) + 1
+    backend = PagedAttention(cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+    blocks = iter(random.Random(0).sample(range(1, num_blocks), num_blocks - 1))  # scattered, as in a busy pool
+    requests = [SimpleNamespace(request_id=f"r{i}", num_computed_tokens=n - 1, all_token_ids=[i % 100] * n,
+                                block_table=[next(blocks) for _ in range(-(-n // BLOCK_SIZE))],
+                                params=SimpleNamespace(greedy=True)) for i, n in enumerate(lens)]
+    step = SchedulerOutput(requests=requests, num_new_tokens=[1] * len(lens))
+    runner = ModelRunner(model, backend, device)
+    row = {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes}
+    moved = weight_bytes + kv_bytes
+    for path, fn in decode_paths(device).items():
+        backend.decode_attention = fn
+        eager = timeit(lambda: runner.execute(step), device, iters=2 if quick else 10, rounds=1 if quick else 3)
+        row[path] = {"step_ms": eager * 1e3, "gb_s": moved / eager / 1e9, "of_copy": moved / eager / copy_bw}
+        if device.type == "cuda":
+            try:
+                graph = graph_forward_seconds(model, backend, requests)
+                row[path] |= {"graph_ms": graph * 1e3, "graph_gb_s": moved / graph / 1e9,
+                              "graph_of_copy": moved / graph / copy_bw}
+            except Exception as exc:  # a measurement that cannot be made is reported, not fatal
+                row[path]["graph_error"] = f"{type(exc).__name__}: {exc}"
+    return row
+
+
+@torch.inference_mode()
+def graph_forward_seconds(model, backend, requests) -> float:
+    """The step's forward (all layers and the LM head) captured once in a CUDA graph, then replayed:
+    the GPU's own time, without Python launching each kernel."""
+    meta = backend.prepare(requests, [1] * len(requests))
+    device = backend.device
+    ids = torch.tensor([r.all_token_ids[-1] for r in requests], device=device)
+    pos = torch.tensor([r.num_computed_tokens for r in requests], device=device)
+    forward = lambda: model.logits(model(ids, pos, backend, meta))  # noqa: E731 (one row per sequence)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    return timeit(graph.replay, device, iters=20)
+
+
+def free_memory(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------ 3. W1 through the engine
+
+def check_w1(device, quick: bool, dtype) -> dict:
+    from .. import LLM
+    from .driver import run_workload
+    from .metrics import summarize
+    from .workload import BenchRequest
+
+    spec, (n, n_in, n_out) = ("random:tiny", (4, 32, 8)) if quick else ("random:smollm2-135m", (32, 200, 128))
+    num_blocks = n * -(-(n_in + n_out + 1) // BLOCK_SIZE) + 16
+    llm = LLM(model=spec, device=str(device), dtype=str(dtype).removeprefix("torch."), num_blocks=num_blocks,
+              block_size=BLOCK_SIZE)
+    rng = random.Random(0)
+    vocab = llm.engine.model.config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(n_in)] for _ in range(n)]
+    out = {"model": spec, "requests": n, "prompt_tokens": n_in, "max_tokens": n_out,
+           "engine_default_decode_path": llm.engine.backend.decode_attention.__name__}
+    tokens = {}
+    for path, fn in decode_paths(device).items():
+        llm.engine.backend.decode_attention = fn
+        run_workload(llm, [BenchRequest(0.0, p[:16], 4) for p in prompts[:2]], use_tqdm=False)  # warm-up
+        outputs, wall = run_workload(llm, [BenchRequest(0.0, p, n_out) for p in prompts], use_tqdm=False)
+        s = summarize(outputs, wall)
+        assert s["total_output_tokens"] == n * n_out, "ignore_eos: every request makes max_tokens"
+        out[path] = {"wall_s": wall, "output_tok_s": s["output_throughput"], "p50_tpot_ms": s["p50_tpot_ms"],
+                     "p50_ttft_ms": s["p50_ttft_ms"]}
+        tokens[path] = [o.token_ids for o in outputs]
+    if len(tokens) == 2:  # random bf16 weights: near-ties may flip a greedy token now and then
+        same = sum(a == b for x, y in zip(tokens["torch"], tokens["triton"]) for a, b in zip(x, y))
+        out["same_tokens_triton_vs_torch"] = same / (n * n_out)
+    del llm
+    free_memory(device)
+    return out
+
+
+# ------------------------------------------------------------------ report
+
+def run_part(name, fn, *args) -> dict:
+    started = time.perf_counter()
+    try:
+        result = fn(*args)
+    except Exception as exc:
+        traceback.print_exc()
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+    result["seconds"] = time.perf_counter() - started
+    return result
+
+
+def print_report(r: dict):
+    print(f"== gpu-check on {r['machine']['device_name']} (torch {r['machine']['torch']}, "
+          f"triton {r['machine']['triton']}){' [quick]' if r['quick'] else ''}")
+    if "copy_gb_s" in r:
+        print(f"copy bandwidth: {r['copy_gb_s']:.0f} GB/s (read + write)")
+    k = r["kernel"]
+    print(f"[1] kernel ({k['seconds']:.0f} s): " + (k.get("skipped") or k.get("error") or
+          f"{'OK' if k['ok'] else 'DISAGREES'}; engine's default decode path here: {k['engine_default_decode_path']}"))
+    for case, row in k.get("agreement", {}).items():
+        extra = (f" (vs fp32 math: kernel {row['kernel_vs_fp32']:.1e}, torch {row['torch_vs_fp32']:.1e})"
+                 if "kernel_vs_fp32" in row else "")
+        print(f"    {case:22s} max abs error {row['max_abs_error']:.1e}{extra} {'ok' if row['ok'] else 'FAIL'}")
+    for name, t in k.get("timing", {}).items():
+        print(f"    {name:14s} B={t['batch']} ctx={t['context']}: triton {t['triton_ms']:.3f} ms "
+              f"({t['triton_kv_gb_s']:.0f} GB/s of KV), torch {t['torch_ms']:.3f} ms: x{t['speedup']:.1f}")
+    d = r["decode"]
+    print(f"[2] decode step ({d['seconds']:.0f} s): " + (d.get("skipped") or d.get("error") or
+          f"B={d['batch']}, contexts {d['context_min_max'][0]}-{d['context_min_max'][1]}, target {TARGET:.0%} of copy"))
+    for name in ("llama-3.1-8b", "smollm2-135m"):
+        if name not in d:
+            continue
+        row = d[name]
+        print(f"    {name}: reads {row['weight_bytes'] / 1e9:.2f} GB weights + {row['kv_bytes'] / 1e9:.2f} GB KV")
+        for path in ("triton", "torch"):
+            if path in row:
+                p = row[path]
+                graph = (f"; CUDA graph {p['graph_ms']:.2f} ms = {p['graph_gb_s']:.0f} GB/s = {p['graph_of_copy']:.0%}"
+                         if "graph_ms" in p else f"; graph: {p['graph_error']}" if "graph_error" in p else "")
+                print(f"      {path:6s} eager {p['step_ms']:.2f} ms = {p['gb_s']:.0f} GB/s = {p['of_copy']:.0%}{graph}")
+    w = r["w1"]
+    print(f"[3] W1 ({w['seconds']:.0f} s): " + (w.get("skipped") or w.get("error") or
+          f"{w['requests']} x {w['prompt_tokens']} tokens, {w['max_tokens']} out, {w['model']}"))
+    for path in ("triton", "torch"):
+        if path in w:
+            p = w[path]
+            print(f"    {path:6s} {p['output_tok_s']:.0f} tok/s ({p['wall_s']:.2f} s), "
+                  f"TPOT p50 {p['p50_tpot_ms']:.2f} ms, TTFT p50 {p['p50_ttft_ms']:.0f} ms")
+    if "same_tokens_triton_vs_torch" in w:
+        print(f"    same greedy tokens, triton vs torch path: {w['same_tokens_triton_vs_torch']:.1%}")
+    print(f"total {r['seconds']:.0f} s; {'OK' if r['ok'] else 'FAILED'}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m labsupport.bench.gpu_check", description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (only sensible with --quick)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of the script, on any device")
+    p.add_argument("--json", metavar="FILE", default=None, help="also write the full report as JSON")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported (decode_paths)
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    has_device = device.type != "cuda" or torch.cuda.is_available()
+    name = (torch.cuda.get_device_name(device) if device.type == "cuda" and has_device
+            else platform.processor() or platform.machine())
+    started = time.perf_counter()
+    report = {"quick": args.quick, "machine": {"device": str(device), "device_name": name, "torch": torch.__version__,
+                                                "triton": triton_version, "python": platform.python_version()}}
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if not has_device:
+        why = {"skipped": "CUDA is not available here (torch.cuda.is_available() is False): run it on a GPU "
+                          "machine, or try the script with --device cpu --quick", "seconds": 0.0}
+        report |= {"kernel": why, "decode": why, "w1": why}
+    else:
+        report["copy_gb_s"] = copy_bandwidth(device, (64 << 20) if args.quick else (1 << 30)) / 1e9
+        report["kernel"] = run_part("kernel", check_kernel, device, args.quick)
+        report["decode"] = run_part("decode", check_decode, device, args.quick, dtype, report["copy_gb_s"] * 1e9)
+        report["w1"] = run_part("w1", check_w1, device, args.quick, dtype)
+    report["ok"] = not any("error" in report[part] for part in ("kernel", "decode", "w1")) \
+        and report["kernel"].get("ok", True)
+    report["seconds"] = time.perf_counter() - started
+    print_report(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""``make gpu-check``'s script, tested where it can be: tiny sizes on the CPU (``--device cpu --quick``,
+the kernel under triton's interpreter, in a child process so that the interpreter is set before
+triton is imported), and the clean skip of every part on a machine without CUDA."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from labsupport.bench import gpu_check
+
+PARTS = ("kernel", "decode", "w1")
+
+
+def test_quick_run_on_the_cpu_reports_every_part(tmp_path):
+    pytest.importorskip("triton", minversion="3.7", reason="the CPU runs the kernel under triton >= 3.7's interpreter")
+    out = tmp_path / "gpu_check.json"
+    run = subprocess.run([sys.executable, "-m", "labsupport.bench.gpu_check", "--device", "cpu", "--quick",
+                          "--json", str(out)], cwd=Path(__file__).parents[1], capture_output=True, text=True,
+                         timeout=300)
+    print(run.stdout)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["quick"] and report["copy_gb_s"] > 0
+    kernel = report["kernel"]
+    assert len(kernel["agreement"]) == 4 and all(row["ok"] for row in kernel["agreement"].values())
+    assert set(kernel["timing"]) == set(gpu_check.HEAD_SHAPES)
+    for name in ("llama-3.1-8b", "smollm2-135m"):
+        row = report["decode"][name]
+        assert row["weight_bytes"] > 0 and row["kv_bytes"] > 0
+        assert row["torch"]["step_ms"] > 0 and row["triton"]["step_ms"] > 0
+    w1 = report["w1"]
+    assert w1["torch"]["output_tok_s"] > 0 and w1["triton"]["output_tok_s"] > 0
+    assert w1["same_tokens_triton_vs_torch"] >= 0.9  # fp32 on the CPU: the paths differ by ~1e-7
+    for line in ("[1] kernel", "[2] decode step", "[3] W1", "total"):
+        assert line in run.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the default device runs the full check")
+def test_without_cuda_every_part_skips_and_says_why(tmp_path, capsys):
+    out = tmp_path / "report.json"
+    assert gpu_check.main(["--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    for part in PARTS:
+        assert "CUDA is not available" in report[part]["skipped"]
+    assert "CUDA is not available" in capsys.readouterr().out
