@@ -15,6 +15,7 @@ Weight names equal Hugging Face's, so a ``model.safetensors`` loads with ``load_
 from __future__ import annotations
 
 import math
+import platform
 from dataclasses import dataclass, field
 
 import torch
@@ -126,7 +127,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # oneDNN's fp32 matmul, where this torch build has it (x86 CPUs). Measured on a 2-core EPYC (AVX2),
 # both threads: on the 49152-wide LM head of a decode step about 1.7x faster than the default BLAS
 # path (7.7 vs 13 ms at 1 row, 26 vs 49 ms at 32 rows); over a whole decode step 4-8 % faster.
-_onednn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+# Only where it was measured: x86 (an Arm laptop keeps F.linear).
+_onednn_linear = (getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+                  if torch.backends.mkldnn.is_available() and platform.machine().lower() in ("x86_64", "amd64") else None)
 SMALL_M = 64  # rows up to which a CPU product takes the oneDNN path (chapter 09's roofline explains why)
 
 
