@@ -1,16 +1,20 @@
 """``make gpu-check``: what only a GPU can tell about this engine, in one prepared run (< 8 min on one H200).
 
+0. **parity**: greedy tokens of the engine (CUDA-graph decode and eager) equal transformers' on tiny
+   random Llama and Qwen3 models, fp32 (``gpu_parity.py``).
 1. **kernel**: the Triton paged-attention decode kernel (``engine/triton_attention.py``) against
    the PyTorch path (``paged_decode_attention``), fp32 and bf16, at SmolLM2's and Llama-3.1-8B's
    head shapes (max abs error), and both timed at batch 64, context 1024.
 2. **decode**: one decode step of the real engine pieces (``LlamaForCausalLM``, ``PagedAttention``,
    ``ModelRunner``) at batch 64, contexts 512-1024, for a Llama-3.1-8B- and a SmolLM2-135M-shaped
-   model with random bf16 weights. Reported as achieved memory bandwidth, (weights + KV read per
-   step) / step time, and as a fraction of the device-to-device copy bandwidth measured here; the
-   target is 70 %. Timed as the engine runs it (eager, Python launching every kernel) and as the
-   same forward replayed from a CUDA graph (what the GPU itself needs).
+   model with random bf16 weights (and Qwen3-8B's shape). Reported as achieved memory bandwidth,
+   (weights + KV read per step) / step time, and as a fraction of the device-to-device copy
+   bandwidth measured here; the target is 70 %. Timed eagerly (Python launching every kernel) and
+   through the engine's CUDA-graph decode (``engine/cuda_graphs.py``: inputs copied into static
+   buffers, then one graph replay), which is what the engine does on a GPU.
 3. **w1**: bench compare's W1 shape (32 prompts x 200 tokens, 128 out each, greedy, ignore_eos)
-   through the real ``LLM``/``LLMEngine`` with random SmolLM2-shaped weights, with each decode path.
+   through the real ``LLM``/``LLMEngine`` with random SmolLM2-shaped weights: CUDA graphs + Triton (the
+   engine's default on a GPU), Triton eager, PyTorch eager.
 
 It needs no checkpoint, tokenizer, network or venv: models are random weights of the named shapes,
 built on the device (``LLM(model="random:smollm2-135m")``, ``models/loader.py``). Without CUDA
@@ -35,9 +39,12 @@ from types import SimpleNamespace
 
 import torch
 
+from .gpu_parity import check_parity
+
 HEAD_SHAPES = {"smollm2-135m": (9, 3, 64), "llama-3.1-8b": (32, 8, 128)}  # query heads, KV heads, head_dim
 BLOCK_SIZE = 16
 TARGET = 0.70  # of the measured copy bandwidth
+DECODE_MODELS = ("llama-3.1-8b", "qwen3-8b", "smollm2-135m")
 
 
 def random_decode_case(lens, heads, kv_heads, head_dim, block_size, dtype, device="cpu", seed=0):
@@ -153,7 +160,7 @@ def check_decode(device, quick: bool, dtype, copy_bw: float) -> dict:
     batch, (lo, hi) = (4, (24, 40)) if quick else (64, (512, 1024))
     lens = [lo + (hi - lo) * i // max(batch - 1, 1) for i in range(batch)]
     out = {"batch": batch, "context_min_max": [lo, hi], "mean_context": sum(lens) / batch}
-    for name in ("llama-3.1-8b", "smollm2-135m"):
+    for name in DECODE_MODELS:
         cfg = RANDOM_MODELS[name]
         if quick:  # the head shapes stay; the rest shrinks to what a CPU runs in a second
             cfg = dataclasses.replace(cfg, num_layers=2, hidden_size=128, intermediate_size=256, vocab_size=1024)
@@ -164,6 +171,7 @@ def check_decode(device, quick: bool, dtype, copy_bw: float) -> dict:
 
 def time_decode_step(cfg, lens, device, dtype, copy_bw: float, quick: bool) -> dict:
     """One decode step of ``len(lens)`` sequences through ``ModelRunner.execute``, with each decode path."""
+    from ..engine.cuda_graphs import DecodeGraphs
     from ..engine.paged_attention import PagedAttention
     from ..engine.runner import ModelRunner
     from ..engine.scheduler import SchedulerOutput
@@ -175,7 +183,8 @@ def time_decode_step(cfg, lens, device, dtype, copy_bw: float, quick: bool) -> d
                        if p is not embedding or cfg.tie_word_embeddings)
     kv_bytes = sum(lens) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
     num_blocks = sum(-(-(n + 1) // BLOCK_SIZE) for n in lens) + 1
-    backend = PagedAttention(cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+    backend = PagedAttention(cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype, device,
+                             scratch_block=True)
     blocks = iter(random.Random(0).sample(range(1, num_blocks), num_blocks - 1))  # scattered, as in a busy pool
     requests = [SimpleNamespace(request_id=f"r{i}", num_computed_tokens=n - 1, all_token_ids=[i % 100] * n,
                                 block_table=[next(blocks) for _ in range(-(-n // BLOCK_SIZE))],
@@ -188,35 +197,17 @@ def time_decode_step(cfg, lens, device, dtype, copy_bw: float, quick: bool) -> d
         backend.decode_attention = fn
         eager = timeit(lambda: runner.execute(step), device, iters=2 if quick else 10, rounds=1 if quick else 3)
         row[path] = {"step_ms": eager * 1e3, "gb_s": moved / eager / 1e9, "of_copy": moved / eager / copy_bw}
-        if device.type == "cuda":
+        if device.type == "cuda" and path == "triton":  # the engine's GPU decode: static buffers + graph replay
             try:
-                graph = graph_forward_seconds(model, backend, requests)
+                graphs = DecodeGraphs(model, backend, len(lens), max(lens) + BLOCK_SIZE)
+                graph = timeit(lambda: runner.sampler.sample(graphs.run(step), requests), device, iters=20)
                 row[path] |= {"graph_ms": graph * 1e3, "graph_gb_s": moved / graph / 1e9,
                               "graph_of_copy": moved / graph / copy_bw}
+                del graphs
             except Exception as exc:  # a measurement that cannot be made is reported, not fatal
+                traceback.print_exc()
                 row[path]["graph_error"] = f"{type(exc).__name__}: {exc}"
     return row
-
-
-@torch.inference_mode()
-def graph_forward_seconds(model, backend, requests) -> float:
-    """The step's forward (all layers and the LM head) captured once in a CUDA graph, then replayed:
-    the GPU's own time, without Python launching each kernel."""
-    meta = backend.prepare(requests, [1] * len(requests))
-    device = backend.device
-    ids = torch.tensor([r.all_token_ids[-1] for r in requests], device=device)
-    pos = torch.tensor([r.num_computed_tokens for r in requests], device=device)
-    forward = lambda: model.logits(model(ids, pos, backend, meta))  # noqa: E731 (one row per sequence)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            forward()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
-    return timeit(graph.replay, device, iters=20)
 
 
 def free_memory(device):
@@ -242,9 +233,14 @@ def check_w1(device, quick: bool, dtype) -> dict:
     prompts = [[rng.randrange(vocab) for _ in range(n_in)] for _ in range(n)]
     out = {"model": spec, "requests": n, "prompt_tokens": n_in, "max_tokens": n_out,
            "engine_default_decode_path": llm.engine.backend.decode_attention.__name__}
-    tokens = {}
-    for path, fn in decode_paths(device).items():
-        llm.engine.backend.decode_attention = fn
+    tokens, graphs = {}, llm.engine.runner.graphs
+    paths = [(("triton+graphs" if graphs else "triton"), decode_paths(device)["triton"], graphs)] \
+        if "triton" in decode_paths(device) else []
+    if graphs is not None:
+        paths.append(("triton", decode_paths(device)["triton"], None))
+    paths.append(("torch", decode_paths(device)["torch"], None))
+    for path, fn, use_graphs in paths:
+        llm.engine.backend.decode_attention, llm.engine.runner.graphs = fn, use_graphs
         run_workload(llm, [BenchRequest(0.0, p[:16], 4) for p in prompts[:2]], use_tqdm=False)  # warm-up
         outputs, wall = run_workload(llm, [BenchRequest(0.0, p, n_out) for p in prompts], use_tqdm=False)
         s = summarize(outputs, wall)
@@ -252,9 +248,11 @@ def check_w1(device, quick: bool, dtype) -> dict:
         out[path] = {"wall_s": wall, "output_tok_s": s["output_throughput"], "p50_tpot_ms": s["p50_tpot_ms"],
                      "p50_ttft_ms": s["p50_ttft_ms"]}
         tokens[path] = [o.token_ids for o in outputs]
-    if len(tokens) == 2:  # random bf16 weights: near-ties may flip a greedy token now and then
-        same = sum(a == b for x, y in zip(tokens["torch"], tokens["triton"]) for a, b in zip(x, y))
-        out["same_tokens_triton_vs_torch"] = same / (n * n_out)
+    for path in tokens:  # random bf16 weights: near-ties may flip a greedy token now and then
+        if path != "torch":
+            same = sum(a == b for x, y in zip(tokens["torch"], tokens[path]) for a, b in zip(x, y))
+            out[f"same_tokens_{path}_vs_torch"] = same / (n * n_out)
+    out["blocks_free"] = llm.engine.kv.allocator.num_free == llm.engine.kv.num_blocks
     del llm
     free_memory(device)
     return out
@@ -278,6 +276,13 @@ def print_report(r: dict):
           f"triton {r['machine']['triton']}){' [quick]' if r['quick'] else ''}")
     if "copy_gb_s" in r:
         print(f"copy bandwidth: {r['copy_gb_s']:.0f} GB/s (read + write)")
+    p0 = r["parity"]
+    print(f"[0] parity with transformers ({p0['seconds']:.0f} s): " + (p0.get("skipped") or p0.get("error") or
+          ("OK" if p0["ok"] else "FAILED")))
+    for spec, row in ((k, v) for k, v in p0.items() if isinstance(v, dict)):
+        print(f"    {spec:18s} logits max diff {row['max_logit_diff']:.1e}; same greedy tokens: graphs "
+              f"{row['graphs_same_tokens']:.0%} (on: {row['graphs_on']}), eager {row['eager_same_tokens']:.0%}; "
+              f"blocks freed {row['graphs_blocks_free'] and row['eager_blocks_free']}")
     k = r["kernel"]
     print(f"[1] kernel ({k['seconds']:.0f} s): " + (k.get("skipped") or k.get("error") or
           f"{'OK' if k['ok'] else 'DISAGREES'}; engine's default decode path here: {k['engine_default_decode_path']}"))
@@ -291,7 +296,7 @@ def print_report(r: dict):
     d = r["decode"]
     print(f"[2] decode step ({d['seconds']:.0f} s): " + (d.get("skipped") or d.get("error") or
           f"B={d['batch']}, contexts {d['context_min_max'][0]}-{d['context_min_max'][1]}, target {TARGET:.0%} of copy"))
-    for name in ("llama-3.1-8b", "smollm2-135m"):
+    for name in DECODE_MODELS:
         if name not in d:
             continue
         row = d[name]
@@ -305,13 +310,13 @@ def print_report(r: dict):
     w = r["w1"]
     print(f"[3] W1 ({w['seconds']:.0f} s): " + (w.get("skipped") or w.get("error") or
           f"{w['requests']} x {w['prompt_tokens']} tokens, {w['max_tokens']} out, {w['model']}"))
-    for path in ("triton", "torch"):
+    for path in ("triton+graphs", "triton", "torch"):
         if path in w:
             p = w[path]
             print(f"    {path:6s} {p['output_tok_s']:.0f} tok/s ({p['wall_s']:.2f} s), "
                   f"TPOT p50 {p['p50_tpot_ms']:.2f} ms, TTFT p50 {p['p50_ttft_ms']:.0f} ms")
-    if "same_tokens_triton_vs_torch" in w:
-        print(f"    same greedy tokens, triton vs torch path: {w['same_tokens_triton_vs_torch']:.1%}")
+    for key in (k for k in w if k.startswith("same_tokens_")):
+        print(f"    {key.replace('_', ' ')}: {w[key]:.1%}")
     print(f"total {r['seconds']:.0f} s; {'OK' if r['ok'] else 'FAILED'}")
 
 
@@ -339,14 +344,15 @@ def main(argv=None) -> int:
     if not has_device:
         why = {"skipped": "CUDA is not available here (torch.cuda.is_available() is False): run it on a GPU "
                           "machine, or try the script with --device cpu --quick", "seconds": 0.0}
-        report |= {"kernel": why, "decode": why, "w1": why}
+        report |= {"parity": why, "kernel": why, "decode": why, "w1": why}
     else:
         report["copy_gb_s"] = copy_bandwidth(device, (64 << 20) if args.quick else (1 << 30)) / 1e9
+        report["parity"] = run_part("parity", check_parity, device, args.quick)
         report["kernel"] = run_part("kernel", check_kernel, device, args.quick)
         report["decode"] = run_part("decode", check_decode, device, args.quick, dtype, report["copy_gb_s"] * 1e9)
         report["w1"] = run_part("w1", check_w1, device, args.quick, dtype)
-    report["ok"] = not any("error" in report[part] for part in ("kernel", "decode", "w1")) \
-        and report["kernel"].get("ok", True)
+    report["ok"] = not any("error" in report[part] for part in ("parity", "kernel", "decode", "w1")) \
+        and report["kernel"].get("ok", True) and report["parity"].get("ok", True)
     report["seconds"] = time.perf_counter() - started
     print_report(report)
     if args.json:

@@ -49,6 +49,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = False
     long_prefill_token_threshold: int = 0  # with chunked prefill: cap on one request's chunk per step (0: none)
     scheduling_policy: str = "continuous"  # or "static": the baseline of chapter 04
+    enforce_eager: bool = False  # GPU: True launches every kernel from Python (no CUDA graphs for decode)
 
     def __post_init__(self):
         if self.kv_cache not in ("paged", "contiguous", "none"):

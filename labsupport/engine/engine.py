@@ -27,6 +27,7 @@ from .paged_attention import PagedAttention
 from .prefix_cache import CPUTier
 from .request import Request, RequestOutput, SamplingParams
 from .runner import ModelRunner
+from .cuda_graphs import DecodeGraphs
 from .scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ class LLMEngine:
         self.config = dataclasses.replace(config, max_model_len=min(config.max_model_len or min(limit, 8192), limit))
         self.kv, self.backend = self._make_kv_and_backend()
         self.runner = ModelRunner(self.model, self.backend, self.device)
+        if self._use_cuda_graphs():
+            self.runner.graphs = DecodeGraphs(self.model, self.backend, self.config.max_num_seqs, self.max_model_len)
         self.scheduler = Scheduler(self.config, self.kv, self._eos_token_ids())
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
@@ -59,12 +62,19 @@ class LLMEngine:
             return kv, ContiguousAttention(kv)
         num_blocks = c.num_blocks or self._blocks_in_budget(dtype)
         backend = PagedAttention(cfg.num_layers, num_blocks, c.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                 dtype, self.device)
+                                 dtype, self.device, scratch_block=self._use_cuda_graphs())
         cpu_tier = (CPUTier(c.cpu_offload_blocks, backend.k_pool, backend.v_pool, c.block_size)
                     if c.cpu_offload_blocks else None)
         kv = KVCacheManager(num_blocks, c.block_size, enable_prefix_caching=c.enable_prefix_caching,
                             cpu_tier=cpu_tier)
         return kv, backend
+
+    def _use_cuda_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs on a GPU with the Triton kernel, unless ``enforce_eager``."""
+        if self.device.type != "cuda" or self.config.enforce_eager or self.config.kv_cache != "paged":
+            return False
+        from . import triton_attention
+        return triton_attention.available(self.device)
 
     def _blocks_in_budget(self, dtype) -> int:
         """Blocks of the default pool: as many as ``kv_cache_memory_bytes`` holds; without it, on a GPU,
@@ -278,7 +288,7 @@ class LLMEngine:
                 self.kv.caches.clear()
             if isinstance(self.kv, KVCacheManager):
                 self.kv.cpu_tier = None  # its views would keep the pool alive
-            self.model = self.runner.model = None
+            self.model = self.runner.model = self.runner.graphs = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 

@@ -84,7 +84,7 @@ def prefill_attention(q, k, v, k_pool, v_pool, rows: PrefillRows) -> torch.Tenso
 
 class PagedAttention(AttentionBackend):
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype, device):
+                 dtype, device, scratch_block: bool = False):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device = device
         self.slot_mapping = slot_mapping  # chapter 02's exercise plugs the attendee's own in here
@@ -93,7 +93,9 @@ class PagedAttention(AttentionBackend):
             from . import triton_attention  # imports triton only here, and only if it is installed
             if triton_attention.available(device):
                 self.decode_attention = triton_attention.triton_decode_attention
-        slots = num_blocks * block_size
+        # one block past the allocator's: CUDA graphs' padding rows write there (cuda_graphs.py)
+        self.scratch_slot = num_blocks * block_size if scratch_block else None
+        slots = (num_blocks + scratch_block) * block_size
         self.k_pool = [torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_pool = [torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
 

