@@ -102,3 +102,32 @@ def test_engine_gives_the_same_greedy_tokens_with_the_kernel(kernel, llm, monkey
     monkeypatch.setattr(llm.engine.backend, "decode_attention", kernel.triton_decode_attention)
     with_kernel = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in with_kernel] == [o.token_ids for o in default]
+
+
+@interpreted
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (32, 8, 128), (4, 2, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_kernel_equals_apply_rope(heads, kv_heads, head_dim, dtype):
+    """q and k as the model hands them over: non-contiguous views of one stacked q/k/v product."""
+    import labsupport.models.triton_rope as module
+    from labsupport.models.llama import LlamaForCausalLM, apply_rope
+    from labsupport.models.loader import RANDOM_MODELS
+    import dataclasses
+    assert module.INTERPRETED and module.available("cpu")
+    cfg = dataclasses.replace(RANDOM_MODELS["llama-3.1-8b"], num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                              hidden_size=heads * head_dim, num_layers=1, vocab_size=8)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    from labsupport.models.llama import rope_frequencies
+    model.inv_freq, model.rope_scaling = rope_frequencies(cfg)
+    positions = torch.tensor([0, 1, 7, 300, 5000, 131000])
+    cos, sin = model.rope_cos_sin(positions, dtype)
+    t = len(positions)
+    stacked = torch.randn(t, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    q, k, _ = stacked.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(t, heads, head_dim), k.view(t, kv_heads, head_dim)
+    got_q, got_k = module.triton_rope_qk(q, k, cos, sin)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the kernel rounds once, apply_rope after each op
+    torch.testing.assert_close(got_q.float(), apply_rope(q.float(), cos.float(), sin.float()), rtol=tol, atol=tol)
+    torch.testing.assert_close(got_k.float(), apply_rope(k.float(), cos.float(), sin.float()), rtol=tol, atol=tol)

@@ -14,6 +14,7 @@ Weight names equal Hugging Face's, so a ``model.safetensors`` loads with ``load_
 """
 from __future__ import annotations
 
+import functools
 import math
 import platform
 from dataclasses import dataclass, field
@@ -133,6 +134,19 @@ _onednn_linear = (getattr(torch.ops.mkldnn, "_linear_pointwise", None)
 SMALL_M = 64  # rows up to which a CPU product takes the oneDNN path (chapter 09's roofline explains why)
 
 
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """``apply_rope`` to q and k; on a GPU one Triton kernel does both (``triton_rope.py``)."""
+    if q.is_cuda and _gpu_rope() is not None and q.shape[-1] in (16, 32, 64, 128, 256):
+        return _gpu_rope()(q, k, cos, sin)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+@functools.cache
+def _gpu_rope():
+    from . import triton_rope  # imports triton only on a GPU, and only if it is installed
+    return triton_rope.triton_rope_qk if triton_rope.triton is not None else None
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` (same weights, same names) with a faster path for decode-sized fp32 batches on
     the CPU. Prefill-sized products, GPUs and other dtypes take the ordinary ``F.linear``."""
@@ -183,7 +197,7 @@ class Attention(nn.Module):
         q, k, v = q.view(t, self.cfg.num_heads, d), k.view(t, self.cfg.num_kv_heads, d), v.view(t, self.cfg.num_kv_heads, d)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = rope_qk(q, k, cos, sin)
         out = backend.attend(self.layer, q, k, v, batch)  # [T, heads, d]
         return self.o_proj(out.reshape(t, -1))
 
