@@ -109,7 +109,7 @@ def test_engine_gives_the_same_greedy_tokens_with_the_kernel(kernel, llm, monkey
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_kernel_equals_apply_rope(heads, kv_heads, head_dim, dtype):
     """q and k as the model hands them over: non-contiguous views of one stacked q/k/v product."""
-    import labsupport.models.triton_rope as module
+    import labsupport.models.fused_kernels as module
     from labsupport.models.llama import LlamaForCausalLM, apply_rope
     from labsupport.models.loader import RANDOM_MODELS
     import dataclasses
@@ -131,3 +131,14 @@ def test_rope_kernel_equals_apply_rope(heads, kv_heads, head_dim, dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the kernel rounds once, apply_rope after each op
     torch.testing.assert_close(got_q.float(), apply_rope(q.float(), cos.float(), sin.float()), rtol=tol, atol=tol)
     torch.testing.assert_close(got_k.float(), apply_rope(k.float(), cos.float(), sin.float()), rtol=tol, atol=tol)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_kernel(dtype):
+    import torch.nn.functional as F
+    import labsupport.models.fused_kernels as module
+    gate_up = torch.randn(5, 2 * 1500).to(dtype)  # not a multiple of the kernel's block
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(module.triton_silu_mul(gate_up).float(), F.silu(gate) * up, rtol=tol, atol=tol)

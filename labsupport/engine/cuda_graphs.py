@@ -46,12 +46,14 @@ class DecodeGraphs:
         self.max_batch, self.device = max_batch, backend.device
         bs = backend.block_size
         self.max_blocks = -(-max_model_len // bs)
-        long = dict(dtype=torch.long, device=self.device)
-        self.ids = torch.zeros(max_batch, **long)
-        self.positions = torch.zeros(max_batch, **long)
-        self.slots = torch.full((max_batch,), backend.scratch_slot, **long)
-        self.tables = torch.full((max_batch, self.max_blocks), backend.scratch_slot // bs, **long)
-        self.context_lens = torch.ones(max_batch, **long)
+        # All inputs in one buffer, staged in pinned host memory: one copy to the GPU per step.
+        # Rows: token ids, positions, slots to write, context lengths; then the block tables.
+        self.host = torch.zeros(max_batch * (4 + self.max_blocks), dtype=torch.long,
+                                pin_memory=torch.device(self.device).type == "cuda")
+        self.staged = torch.zeros_like(self.host, device=self.device)
+        self.host_rows, self.host_tables = self._views(self.host, max_batch)
+        (self.ids, self.positions, self.slots, self.context_lens), self.tables = self._views(self.staged, max_batch)
+        self.host_rows[2], self.host_rows[3], self.host_tables[:] = backend.scratch_slot, 1, backend.scratch_slot // bs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # each graph's output buffer
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -76,23 +78,24 @@ class DecodeGraphs:
         self.graphs[size].replay()
         return self.logits[size][:b]
 
+    def _views(self, flat: torch.Tensor, n: int):
+        return flat[:4 * n].view(4, n), flat[4 * n:].view(n, self.max_blocks)
+
     def _fill(self, requests, size: int):
-        """Copy the step's inputs into the static buffers; rows b..size are padding."""
+        """Write the step's inputs into the pinned staging buffer, then copy it to the GPU at once.
+        Rows b..size are padding: token 0 at position 0, writing to and reading the scratch block."""
         bs, b = self.backend.block_size, len(requests)
         pos = [r.num_computed_tokens for r in requests]
         width = max(p // bs for p in pos) + 1
         scratch_block = self.backend.scratch_slot // bs
         tables = [r.block_table[:width] + [scratch_block] * (width - len(r.block_table[:width])) for r in requests]
-        host = torch.tensor([[r.all_token_ids[p] for r, p in zip(requests, pos)], pos,
-                             [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)],
-                             [p + 1 for p in pos]], dtype=torch.long)
-        self.ids[:b], self.positions[:b], self.slots[:b], self.context_lens[:b] = host.to(self.device, non_blocking=True)
-        self.tables[:b, :width] = torch.tensor(tables, dtype=torch.long).to(self.device, non_blocking=True)
-        self.slots[b:size] = self.backend.scratch_slot
-        self.context_lens[b:size] = 1
-        self.tables[b:size, 0] = scratch_block
-        self.ids[b:size] = 0
-        self.positions[b:size] = 0
+        rows, host_tables = self.host_rows, self.host_tables
+        rows[:, :b] = torch.tensor([[r.all_token_ids[p] for r, p in zip(requests, pos)], pos,
+                                    [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)], [p + 1 for p in pos]])
+        host_tables[:b, :width] = torch.tensor(tables)
+        rows[:2, b:size], rows[2, b:size], rows[3, b:size] = 0, self.backend.scratch_slot, 1
+        host_tables[b:size, 0] = scratch_block
+        self.staged.copy_(self.host, non_blocking=True)  # the host buffer is rewritten only after this step ends
 
     def _forward(self, size: int) -> torch.Tensor:
         bs = self.backend.block_size

@@ -65,7 +65,7 @@ def triton_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # the interpreter's tl.dot multiplies bfloat16 *bit patterns* (triton 3.7-3.9): give it fp32
         DOT_TYPE=tl.float32 if INTERPRETED and q.dtype == torch.bfloat16 else _TL_TYPES[q.dtype],
-        num_warps=4)
+        num_warps=2, num_stages=2)  # the fastest of 36 settings on an H200 (B=64, contexts 512-1024, bf16)
     return out
 
 

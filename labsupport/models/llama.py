@@ -135,16 +135,16 @@ SMALL_M = 64  # rows up to which a CPU product takes the oneDNN path (chapter 09
 
 
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """``apply_rope`` to q and k; on a GPU one Triton kernel does both (``triton_rope.py``)."""
-    if q.is_cuda and _gpu_rope() is not None and q.shape[-1] in (16, 32, 64, 128, 256):
-        return _gpu_rope()(q, k, cos, sin)
+    """``apply_rope`` to q and k; on a GPU one Triton kernel does both (``fused_kernels.py``)."""
+    if q.is_cuda and _gpu_kernels() is not None and q.shape[-1] in (16, 32, 64, 128, 256):
+        return _gpu_kernels().triton_rope_qk(q, k, cos, sin)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 @functools.cache
-def _gpu_rope():
-    from . import triton_rope  # imports triton only on a GPU, and only if it is installed
-    return triton_rope.triton_rope_qk if triton_rope.triton is not None else None
+def _gpu_kernels():
+    from . import fused_kernels  # imports triton only on a GPU, and only if it is installed
+    return fused_kernels if fused_kernels.triton is not None else None
 
 
 class Linear(nn.Linear):
@@ -214,6 +214,8 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if self.gate_up is not None:
+            if x.is_cuda and _gpu_kernels() is not None:
+                return self.down_proj(_gpu_kernels().triton_silu_mul(F.linear(x, self.gate_up)))
             gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,4 +1,6 @@
-"""Rotary embeddings of q and k in one Triton kernel (GPU only; the CPU keeps ``llama.apply_rope``).
+"""Small fused kernels of the model, in Triton, for GPUs (the CPU keeps the PyTorch code of ``llama.py``).
+
+**RoPE of q and k in one kernel** (``triton_rope_qk``).
 
 ``apply_rope`` in PyTorch is five small kernels per tensor (negate, concatenate, two products, a
 sum), ten per layer for q and k. In a decode step of an 8B model on an H200 each lasts 2-3 us and
@@ -9,6 +11,10 @@ writes q and k contiguous (what the attention kernel reads).
 Same contract as ``apply_rope`` (q: [T, H, D], k: [T, Hkv, D], cos/sin: [T, D] whose two halves are
 equal, as ``LlamaForCausalLM.rope_cos_sin`` builds them). Checked against ``apply_rope`` on the CPU
 under ``TRITON_INTERPRET=1`` (``tests/test_triton_attention.py`` runs the interpreter tests).
+
+**SiLU-and-multiply** (``triton_silu_mul``): ``silu(gate) * up`` from the stacked gate/up product
+([T, 2I], ``fuse_projections``), one kernel instead of two that read strided halves (measured on the
+H200: 7.7 us per layer for the pair, about 2 for this kernel).
 """
 from __future__ import annotations
 
@@ -44,7 +50,28 @@ def triton_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
     return q_out, k_out
 
 
+def triton_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate then up) -> silu(gate) * up, [T, I]."""
+    t, width = gate_up.shape
+    half = width // 2
+    gate_up = gate_up.contiguous()
+    out = torch.empty(t, half, dtype=gate_up.dtype, device=gate_up.device)
+    if t:
+        block = 1024
+        _silu_mul_kernel[(t, triton.cdiv(half, block))](gate_up, out, half, BLOCK=block)
+    return out
+
+
 if triton is not None:
+    @triton.jit
+    def _silu_mul_kernel(x_ptr, out_ptr, half, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < half
+        gate = tl.load(x_ptr + row * 2 * half + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * 2 * half + half + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * half + cols, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
+
     @triton.jit
     def _rotate(x_ptr, out_ptr, stride_t, stride_h, tok, c, s, NUM: tl.constexpr, NUM_PAD: tl.constexpr,
                 HALF: tl.constexpr):
