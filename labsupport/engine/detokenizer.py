@@ -12,8 +12,12 @@ Two cases make this subtle, and both are tested with non-ASCII text:
   emitted yet, and the character comes out whole one token later;
 * special tokens decode to nothing (``skip_special_tokens``), so they emit nothing.
 
+So every delta is whole characters, and the deltas join to exactly the request's text: a
+streaming client never shows a half character ("KV\ufffd存") that the next chunk cannot repair.
+
 Stop strings are searched for in the tail only (the new text plus the few characters before it
-that a stop string could straddle), and the text is cut where the first one begins.
+that a stop string could straddle), and the text is cut where the first one begins. As in vLLM,
+they are looked for only once the output has more than ``min_tokens`` tokens.
 """
 from __future__ import annotations
 
@@ -21,12 +25,13 @@ CONTEXT_TOKENS = 5  # prompt tokens decoded as context before the first output t
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] = ()):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] = (), min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.context = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.prefix = 0  # start of the tokens decoded as context ...
         self.read = len(self.context)  # ... up to here; text already emitted for everything before `read`
         self.stop = list(stop)
+        self.min_tokens = min_tokens
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
@@ -45,12 +50,12 @@ class IncrementalDetokenizer:
             return "", False  # nothing new yet: a special token, or a character still incomplete
         delta = after[len(before):]
         self.prefix, self.read = self.read, len(ids)
-        return self._append(delta)
+        return self._append(delta, len(output_token_ids) > self.min_tokens)
 
-    def _append(self, delta: str) -> tuple[str, bool]:
+    def _append(self, delta: str, may_stop: bool = True) -> tuple[str, bool]:
         start = len(self.text)
         self.text += delta
-        if not self.stop:
+        if not self.stop or not may_stop:
             return delta, False
         longest = max(map(len, self.stop))
         tail = max(0, start - longest + 1)  # a stop string may begin in the text before this delta

@@ -182,9 +182,14 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         self.check_prompt(prompt_token_ids)
+        vocab = self.model.config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must lie in [0, {vocab}), got {params.stop_token_ids}")
         req = Request(prompt_token_ids, params, request_id, prompt, cache_salt)
+        if not params.ignore_eos:
+            req.all_stop_token_ids |= self.scheduler.eos_token_ids  # min_tokens holds EOS back too
         self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
-                                                                   params.stop)
+                                                                   params.stop, params.min_tokens)
         self.scheduler.add_request(req)
         return req
 
@@ -238,7 +243,10 @@ class LLMEngine:
         """New text for each request's new token; a stop string ends the request here."""
         for req in requests:
             detok = self.detokenizers[req.request_id]
-            _, stopped = detok.update(req.output_token_ids, flush=req.is_finished)
+            ids = req.output_token_ids
+            if req.finish_reason == "stop":  # EOS or a stop token id ended it: the token stays, its text not (vLLM)
+                ids = ids[:-1]
+            _, stopped = detok.update(ids, flush=req.is_finished)
             req.text = detok.text
             if stopped and not req.is_finished:
                 self.scheduler.finish(req, "stop")
@@ -302,8 +310,12 @@ class LLMEngine:
 
     @staticmethod
     def output(req: Request) -> RequestOutput:
+        """The request as the API sees it; logprobs only for a request that asked for them."""
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.text,
-                             list(req.output_token_ids), req.finish_reason, req.metrics)
+                             list(req.output_token_ids), req.finish_reason, req.metrics,
+                             logprobs=None if req.params.logprobs is None else list(req.logprobs),
+                             prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
+                             num_cached_tokens=req.num_cached_tokens)
 
     def stats(self) -> dict:
         return {**self.kv.stats(), **self.scheduler.stats(), "num_steps": self.num_steps}

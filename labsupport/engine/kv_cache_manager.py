@@ -184,9 +184,10 @@ class KVCacheManager(KVManager):
 
     def find_cached_prefix(self, req) -> PrefixHit:
         """The longest chain of cached full blocks at the start of the request (no state changes).
-        At least one token is left to compute: its logits give the next token."""
+        At least one token is left to compute: its logits give the next token. A request asking for
+        prompt logprobs reuses nothing: every prompt position needs its logits (vLLM does the same)."""
         hit = PrefixHit(block_size=self.block_size)
-        if self.prefix_cache is None:
+        if self.prefix_cache is None or req.params.prompt_logprobs is not None:
             return hit
         tokens, bs = req.all_token_ids, self.block_size
         hashes = self.chain_hashes(tokens[:(len(tokens) - 1) // bs * bs], bs, req.cache_salt)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 
 _INT64 = (-(1 << 63), (1 << 63) - 1)  # a seed is a signed 64-bit integer, as torch and vLLM take it
+MAX_LOGPROBS = 20  # the most alternatives per position, as OpenAI's top_logprobs allows
 
 
 def _is_int(x) -> bool:
@@ -43,6 +44,11 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] | str | None = None
     ignore_eos: bool = False
+    top_k: int = -1  # keep only the k most likely tokens before drawing; -1 or 0: off
+    min_tokens: int = 0  # this many tokens at least before EOS or a stop_token_id may be drawn
+    stop_token_ids: list[int] | None = None  # these tokens end the request too (finish reason "stop")
+    logprobs: int | None = None  # per output token: its logprob and the top-k's (k in [0, 20]); None: none
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens <= 0:
@@ -63,6 +69,26 @@ class SamplingParams:
         self.stop = list(stop)
         self.max_tokens, self.temperature, self.top_p = int(self.max_tokens), float(self.temperature), float(self.top_p)
         self.seed = None if self.seed is None else int(self.seed)
+        self._check_token_options()
+
+    def _check_token_options(self):
+        """The options of chapter 06's API (vLLM's names and rules), normalized to plain ints and lists."""
+        if not _is_int(self.top_k) or not (self.top_k in (-1, 0) or 1 <= self.top_k <= _INT64[1]):
+            raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and 0 <= t <= _INT64[1] for t in ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0) or None, "
+                             f"got {self.stop_token_ids!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}] (how many of the "
+                                 f"most likely tokens to return besides the chosen one), got {k!r}")
+            setattr(self, name, None if k is None else int(k))
+        self.top_k, self.min_tokens, self.stop_token_ids = int(self.top_k), int(self.min_tokens), [int(t) for t in ids]
 
     @property
     def greedy(self) -> bool:
@@ -136,6 +162,13 @@ class Request:
         self.finish_reason: str | None = None
         self.text = ""  # the output so far, detokenized incrementally by the engine
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
+        # chapter 06's outputs, written by the scheduler from what the runner computed
+        self.logprobs: list[dict[int, float]] = []  # per output token, if params.logprobs is set
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            None if params.prompt_logprobs is None else [None])  # the first prompt token has nothing before it
+        self.num_cached_tokens = 0  # prompt tokens reused from the prefix cache (or CPU tier) when first scheduled
+        # the tokens min_tokens keeps from being drawn: stop_token_ids, and EOS (added by the engine)
+        self.all_stop_token_ids: set[int] = set(params.stop_token_ids or ())
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -172,15 +205,21 @@ class RequestOutput:
     finish_reason: str | None
     metrics: RequestMetrics
     cached: bool = False  # served from the result cache, without running the model
+    logprobs: list[dict[int, float]] | None = None  # per token {id: logprob}: the chosen one and the top-k
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token; the first is None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def copy(self, **changes) -> "RequestOutput":
-        """An independent copy (lists copied): what a cache stores and hands out."""
-        return dataclasses.replace(self, prompt_token_ids=list(self.prompt_token_ids),
-                                   token_ids=list(self.token_ids), **changes)
+        """An independent copy (lists and dicts copied): what a cache stores and hands out."""
+        def dicts(rows):
+            return None if rows is None else [None if d is None else dict(d) for d in rows]
+        copied = dict(prompt_token_ids=list(self.prompt_token_ids), token_ids=list(self.token_ids),
+                      logprobs=dicts(self.logprobs), prompt_logprobs=dicts(self.prompt_logprobs))
+        return dataclasses.replace(self, **{**copied, **changes})
 
     @property
     def outputs(self):

@@ -10,7 +10,7 @@ import torch
 
 from ..models.llama import LlamaForCausalLM
 from .attention import AttentionBackend, AttentionBatch, RecomputeAttention
-from .sampler import Sampler
+from .sampler import Sampler, logprob_dicts, option
 from .scheduler import SchedulerOutput
 
 
@@ -35,7 +35,9 @@ class ModelRunner:
         hidden = self.model(ids, pos, self.backend, meta)
         last = torch.tensor(meta.query_offsets[1:], device=self.device) - 1
         logits = self.model.logits(hidden[last])
-        return self.sampler.sample(logits, batch.requests)
+        sampled = self.sampler.sample(logits, batch.requests, batch.num_new_tokens)
+        sampled.prompt_logprobs = prompt_logprobs(self.model, hidden, batch, meta.query_offsets)
+        return sampled
 
 
 @torch.inference_mode()
@@ -50,3 +52,43 @@ def sequence_logits(model: LlamaForCausalLM, token_ids: list[int]) -> torch.Tens
     hidden = model(torch.tensor(token_ids, device=device), torch.arange(n, device=device),
                    RecomputeAttention(), AttentionBatch([n], [n]))
     return model.logits(hidden)
+
+
+PROMPT_LOGPROB_ROWS = 512  # logits for at most this many prompt positions at once: [512, vocab] float32
+
+
+def prompt_logprobs(model: LlamaForCausalLM, hidden: torch.Tensor, batch: SchedulerOutput,
+                    query_offsets: list[int]) -> dict[int, tuple[int, list[dict[int, float]]]]:
+    """For requests that asked for ``prompt_logprobs``: the logprobs of each prompt token this step's
+    positions predict (position p predicts prompt token p + 1), with the top-k at each position.
+
+    Returns request index -> (first prompt token covered, one dict per token). A prompt fed in
+    chunks gets its positions chunk by chunk; positions recorded before (a request fed again after
+    preemption, or with no KV cache) are skipped. Nothing is computed when no request asked.
+    """
+    wanted = []  # (request index, first prompt token, hidden rows, the tokens they predict, k)
+    for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+        k = option(req, "prompt_logprobs")
+        if k is None or req.prompt_logprobs is None:
+            continue
+        start = req.num_computed_tokens
+        first = max(start, len(req.prompt_logprobs) - 1)  # positions before this one are recorded already
+        end = min(start + n, len(req.prompt_token_ids) - 1)  # the last prompt position predicts an output token
+        if first < end:
+            rows = range(query_offsets[i] + first - start, query_offsets[i] + end - start)
+            wanted.append((i, first + 1, rows, req.prompt_token_ids[first + 1:end + 1], k))
+    if not wanted:
+        return {}
+    rows = torch.tensor([r for w in wanted for r in w[2]], device=hidden.device)
+    targets = [t for w in wanted for t in w[3]]
+    ks = [w[4] for w in wanted for _ in w[2]]
+    found = []
+    for at in range(0, len(targets), PROMPT_LOGPROB_ROWS):  # bounded memory for a long prompt
+        part = slice(at, at + PROMPT_LOGPROB_ROWS)
+        logprobs = torch.log_softmax(model.logits(hidden[rows[part]]).float(), dim=-1)
+        found += logprob_dicts(logprobs, targets[part], ks[part])
+    out, at = {}, 0
+    for i, first, rows_i, _, _ in wanted:
+        out[i] = (first, found[at:at + len(rows_i)])
+        at += len(rows_i)
+    return out

@@ -1,9 +1,14 @@
-"""Turn the last position's logits into the next token.
+"""Turn the last position's logits into the next token (and, when asked, its logprobs).
 
 Greedy (temperature 0) is argmax, which is what makes our tokens comparable with
-``transformers`` token for token. Otherwise: temperature, then nucleus (top-p) filtering,
-then a draw from a per-request generator, so a fixed ``seed`` gives the same text no matter
-which other requests share the batch.
+``transformers`` token for token. Otherwise: temperature, then top-k, then nucleus (top-p)
+filtering (vLLM's order), then a draw from a per-request generator, so a fixed ``seed`` gives
+the same text no matter which other requests share the batch.
+
+Two rules come before either: a request that has not yet produced ``min_tokens`` tokens cannot
+draw EOS or one of its ``stop_token_ids`` (their logits become -inf, as vLLM's min-tokens
+processor does). And logprobs are those of the *raw* logits, before any of this (vLLM's
+default ``raw_logprobs``): what the model thinks, not what the sampling rules left of it.
 """
 from __future__ import annotations
 
@@ -12,20 +17,96 @@ import torch
 from .request import Request
 
 
+class SamplerOutput(list):
+    """The step's sampled token ids, one per request: a list, so code that wants only the tokens
+    (the scheduler's tests, the benchmarks) uses it as before.
+
+    Besides: ``logprobs[i]``, request i's ``{token id: logprob}`` (None unless it asked), and
+    ``prompt_logprobs``, request index -> (index of the first prompt token covered, one dict per
+    prompt token), filled by the runner on steps that feed the prompt of a request that asked.
+    """
+
+    def __init__(self, token_ids: list[int], logprobs: list[dict[int, float] | None] | None = None):
+        super().__init__(token_ids)
+        self.logprobs = logprobs if logprobs is not None else [None] * len(token_ids)
+        self.prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = {}
+
+
+def option(req, name: str, default=None):
+    """A sampling option of ``req``; benchmarks pass bare request stand-ins whose params have only ``greedy``."""
+    return getattr(req.params, name, default)
+
+
+def logprob_dicts(logprobs: torch.Tensor, chosen: list[int], ks: list[int]) -> list[dict[int, float]]:
+    """Rows of log-probabilities [n, vocab] -> per row ``{chosen: lp, top-k ids: lps}``, the chosen
+    token first, then the k most likely in order (vLLM's layout). One gather, one topk, two copies
+    to the host, whatever the number of rows."""
+    index = torch.tensor(chosen, device=logprobs.device).unsqueeze(1)
+    chosen_lp = logprobs.gather(1, index).squeeze(1).tolist()
+    k = max(ks)
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], logprobs[:, :0].long())
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    return [{c: lp, **dict(zip(ids[:k_row], lps[:k_row]))}
+            for c, lp, ids, lps, k_row in zip(chosen, chosen_lp, top_ids, top_lp, ks)]
+
+
 class Sampler:
     def __init__(self):
         self.generators: dict[str, torch.Generator] = {}
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        """logits: [num_requests, vocab] float32 -> one token id per request."""
+    def sample(self, logits: torch.Tensor, requests: list[Request],
+               num_new_tokens: list[int] | None = None) -> SamplerOutput:
+        """logits: [num_requests, vocab] -> one token id per request, with logprobs where asked.
+
+        ``num_new_tokens`` (tokens each request fed this step) tells which requests are still inside
+        their prompt (a chunk that is not the last): their token is thrown away, so they get argmax
+        and no draw, since a draw would move a seeded generator by a number of steps that depends on
+        how the prompt happened to be chunked, and the same seed would give another text.
+        """
+        fed = num_new_tokens or [None] * len(requests)
+        kept = [n is None or req.num_computed_tokens + n >= len(req.all_token_ids) for req, n in zip(requests, fed)]
+        raw = logits
+        logits = self._hold_back_stop_tokens(logits, requests)
         tokens = logits.argmax(dim=-1).tolist()
         for i, req in enumerate(requests):
-            if not req.params.greedy:
+            if kept[i] and not req.params.greedy:
                 tokens[i] = self._draw(logits[i], req)
-        return tokens
+        asked = [req if k else None for req, k in zip(requests, kept)]
+        return SamplerOutput(tokens, self._logprobs(raw, asked, tokens))
+
+    @staticmethod
+    def _hold_back_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """min_tokens: EOS and the stop token ids get -inf until the request has that many tokens."""
+        rows = [(i, [t for t in req.all_stop_token_ids if t < logits.shape[-1]]) for i, req in enumerate(requests)
+                if len(getattr(req, "output_token_ids", ())) < option(req, "min_tokens", 0)]
+        if not any(ids for _, ids in rows):
+            return logits
+        logits = logits.clone()  # the raw logits stay as they are: logprobs are computed from them
+        for i, ids in rows:
+            logits[i, ids] = float("-inf")
+        return logits
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, requests: list[Request], tokens: list[int]) -> list[dict | None]:
+        """One batched log-softmax over the rows that asked (nothing is computed when none did).
+        ``requests`` has None for rows whose token is thrown away."""
+        ks = [None if req is None else option(req, "logprobs") for req in requests]
+        rows = [i for i, k in enumerate(ks) if k is not None]
+        if not rows:
+            return [None] * len(requests)
+        logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
+        found = logprob_dicts(logprobs, [tokens[i] for i in rows], [ks[i] for i in rows])
+        out = [None] * len(requests)
+        for i, d in zip(rows, found):
+            out[i] = d
+        return out
 
     def _draw(self, logits: torch.Tensor, req: Request) -> int:
-        probs = torch.softmax(logits / req.params.temperature, dim=-1)
+        logits = logits / req.params.temperature
+        if 0 < req.params.top_k < logits.shape[-1]:
+            kth = logits.topk(req.params.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))  # ties with the k-th stay, as in vLLM
+        probs = torch.softmax(logits, dim=-1)
         if req.params.top_p < 1.0:
             sorted_p, order = probs.sort(descending=True)
             # keep the smallest set whose mass reaches top_p (always at least the top token)

@@ -168,6 +168,8 @@ class Scheduler:
         """Move ``req`` from the queue to the running list, reusing the prefix ``hit`` found for it."""
         self.waiting.remove(req)  # the head, in FCFS order: found at once
         req.num_computed_tokens = self.kv.use_cached_prefix(req, hit) if hit is not None else 0
+        if req.metrics.first_scheduled_time is None:  # usage reports the first admission's hit, not a re-admission's
+            req.num_cached_tokens = req.num_computed_tokens
         req.status = RequestStatus.RUNNING
         req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or time.perf_counter()
         self.running.append(req)
@@ -194,7 +196,9 @@ class Scheduler:
         """
         now = time.perf_counter()
         got_token = []
-        for req, n, token in zip(out.requests, out.num_new_tokens, sampled):
+        self.record_prompt_logprobs(out, sampled)
+        logprobs = getattr(sampled, "logprobs", None) or [None] * len(sampled)  # a plain list: tokens only
+        for req, n, token, token_logprobs in zip(out.requests, out.num_new_tokens, sampled, logprobs):
             start = req.num_computed_tokens
             self.counters["prompt_tokens_computed"] += max(0, min(len(req.prompt_token_ids), start + n) - start)
             req.num_computed_tokens = start + n if self.kv.keeps_kv else 0
@@ -202,6 +206,8 @@ class Scheduler:
             if start + n < req.num_tokens:
                 continue  # a prompt chunk: more to feed before the next token
             req.output_token_ids.append(token)
+            if token_logprobs is not None:
+                req.logprobs.append(token_logprobs)
             req.metrics.token_times.append(now)
             req.metrics.first_token_time = req.metrics.first_token_time or now
             self.counters["generation_tokens"] += 1
@@ -212,9 +218,22 @@ class Scheduler:
                 out.finished.append(req)
         return got_token
 
+    @staticmethod
+    def record_prompt_logprobs(out: SchedulerOutput, sampled: list[int]):
+        """Store the prompt logprobs the runner computed this step (a prompt may come in chunks)."""
+        for i, (first, found) in getattr(sampled, "prompt_logprobs", {}).items():
+            recorded = out.requests[i].prompt_logprobs
+            recorded.extend([None] * (first - len(recorded)))  # no gap with the engine's own scheduling
+            recorded[first:first + len(found)] = found
+
     def stop_reason(self, req: Request, token: int) -> str | None:
-        if token in self.eos_token_ids and not req.params.ignore_eos:
-            return "stop"
+        """EOS or a stop token id ends a request once ``min_tokens`` tokens came before it (the sampler
+        does not draw them earlier; this holds for any runner); ``max_tokens`` and the context always do."""
+        if len(req.output_token_ids) > req.params.min_tokens:
+            if token in self.eos_token_ids and not req.params.ignore_eos:
+                return "stop"
+            if token in req.params.stop_token_ids:
+                return "stop"
         longest = min(self.config.max_model_len, self.kv.capacity)  # the context, or a pool smaller than it
         if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= longest:
             return "length"
