@@ -1,0 +1,325 @@
+"""Prometheus metrics for the chapter 06 server, named, typed, labelled and bucketed as vLLM's.
+
+Every metric vLLM exposes as ``vllm:<name>`` that means something for our engine is exposed here
+as ``labsupport:<name>``: the same type, help text, labels (``model_name`` and ``engine="0"``,
+plus ``finished_reason`` or ``source`` where vLLM has them) and histogram buckets (copied from
+vLLM 0.32's ``vllm/v1/metrics/buckets.py``; the token-count histograms use vLLM's 1-2-5 series up
+to ``max_model_len``). One Grafana dashboard or PromQL query reads both servers by swapping the
+prefix::
+
+    rate(labsupport:generation_tokens_total[1m])       rate(vllm:generation_tokens_total[1m])
+    histogram_quantile(0.99, rate(labsupport:time_to_first_token_seconds_bucket[1m]))
+
+The values mean what vLLM's mean: ``prompt_tokens_total`` counts each request's whole prompt once,
+when its first token comes out (cached tokens included); the prefix-cache counters count tokens
+at a request's first admission (a preempted request finding its own blocks again is not a hit);
+the request histograms are observed when the request finishes (``on_finished``), the
+time-to-first-token and inter-token histograms as each token comes out (``on_step``). Our own
+additions, which vLLM does not have: ``labsupport:prompt_tokens_computed_total`` (prompt tokens
+actually run through the model: cache hits excluded, recomputation after a preemption counted
+again: the work prefix caching saves) and ``labsupport:kv_cache_free_blocks``.
+
+Not exposed, because our engine has no such thing (``NOT_IMPLEMENTED`` lists them): LoRA,
+multi-modal, speculative decoding, KV connectors and KV fetch stages, watermarking, NaN
+detection, sleep mode, admission limits, cache-tier sources, KV block residency sampling.
+
+The server's engine-loop thread calls ``on_step`` after every ``engine.step()`` and
+``on_finished`` for every request that finished (done, stopped, aborted, failed); the HTTP thread
+calls ``render`` for ``GET /metrics``. Each ``ServerMetrics`` has its own registry by default,
+so several servers in one process (a notebook, the tests) do not clash.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+import weakref
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger(__name__)
+
+PREFIX = "labsupport:"
+LABELS = ("model_name", "engine")  # vLLM's: the served model name, the engine index (always "0" here)
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")  # vLLM's FinishReason strings
+PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")  # vLLM's sources
+DEFAULT_MAX_MODEL_LEN = 8192  # the engine's default cap on max_model_len
+
+# vLLM's bucket families (vllm/v1/metrics/buckets.py, v0.32.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                               7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                               10.0, 20.0, 40.0, 80.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+REQUEST_NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+
+
+def request_tokens_buckets(max_model_len: int) -> list[int]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to ``max_model_len``."""
+    buckets, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return buckets
+            buckets.append(m * scale)
+        scale *= 10
+
+
+# name (after the prefix) -> help text (vLLM's own, word for word, for vLLM's names)
+GAUGES = {
+    "num_requests_running": "Number of requests in model execution batches.",
+    "num_requests_waiting": "Number of requests waiting to be processed.",
+    "kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
+    "kv_cache_free_blocks": "Free KV-cache blocks (cached blocks no request holds count as free); "
+                            "0 without a paged KV cache.",  # ours
+}
+COUNTERS = {  # prometheus_client appends _total on exposition, as for vLLM's
+    "prompt_tokens": "Number of prefill tokens processed.",
+    "generation_tokens": "Number of generation tokens processed.",
+    "prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens.",
+    "prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
+    "num_preemptions": "Cumulative number of preemption from the engine.",
+    "prompt_tokens_cached": "Number of cached prompt tokens (local + external).",
+    "prompt_tokens_computed": "Prompt tokens run through the model: prefix-cache hits excluded, "
+                              "recomputation after a preemption counted again.",  # ours
+}
+LABELLED_COUNTERS = {  # name -> (help, extra label, its values)
+    "request_success": ("Count of successfully processed requests.", "finished_reason", FINISH_REASONS),
+    "prompt_tokens_by_source": ("Number of prompt tokens by source.", "source", PROMPT_TOKEN_SOURCES),
+}
+HISTOGRAMS = {  # name -> (help, buckets; None: the request-token series up to max_model_len)
+    "time_to_first_token_seconds": ("Histogram of time to first token in seconds.", TIME_TO_FIRST_TOKEN_BUCKETS),
+    "inter_token_latency_seconds": ("Histogram of inter-token latency in seconds.", INTER_TOKEN_LATENCY_BUCKETS),
+    "request_time_per_output_token_seconds": ("Histogram of time_per_output_token_seconds per request.",
+                                              INTER_TOKEN_LATENCY_BUCKETS),
+    "e2e_request_latency_seconds": ("Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS),
+    "request_queue_time_seconds": ("Histogram of time spent in WAITING phase for request.",
+                                   REQUEST_LATENCY_BUCKETS),
+    "request_inference_time_seconds": ("Histogram of time spent in RUNNING phase for request.",
+                                       REQUEST_LATENCY_BUCKETS),
+    "request_prefill_time_seconds": ("Histogram of time spent in PREFILL phase for request.",
+                                     REQUEST_LATENCY_BUCKETS),
+    "request_decode_time_seconds": ("Histogram of time spent in DECODE phase for request.",
+                                    REQUEST_LATENCY_BUCKETS),
+    "request_prompt_tokens": ("Number of prefill tokens processed.", None),
+    "request_generation_tokens": ("Number of generation tokens processed.", None),
+    "request_prefill_kv_computed_tokens": ("Histogram of new KV tokens computed during prefill "
+                                           "(excluding cached tokens).", None),
+    "request_num_preemptions": ("Histogram of the number of times a request was preempted.",
+                                REQUEST_NUM_PREEMPTIONS_BUCKETS),
+    "request_params_max_tokens": ("Histogram of the max_tokens request parameter.", None),
+    # vLLM observes these two only for parallel sampling (n > 1), which we do not offer: always empty
+    "request_params_n": ("Histogram of the n request parameter.", REQUEST_PARAMS_N_BUCKETS),
+    "request_max_num_generation_tokens": ("Histogram of maximum number of requested generation tokens.", None),
+    "iteration_tokens_total": ("Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS),
+}
+OWN = ("kv_cache_free_blocks", "prompt_tokens_computed")  # ours: vLLM has no such metric
+
+# vLLM metrics (names after "vllm:") we do not expose, and why
+NOT_IMPLEMENTED = {
+    "num_requests_waiting_by_reason": "no deferred waiting (LoRA budget, KV transfer)",
+    "num_requests_kv_fetch_by_stage": "no KV connector",
+    "engine_sleep_state": "no sleep mode",
+    "corrupted_requests": "no NaN-in-logits detection",
+    "watermark_requests": "no watermarking",
+    "external_prefix_cache_queries": "no KV connector",
+    "external_prefix_cache_hits": "no KV connector",
+    "mm_cache_queries": "no multi-modal inputs",
+    "mm_cache_hits": "no multi-modal inputs",
+    "prompt_tokens_cached_by_source": "cache-tier sources (device/host/disk/p2p) not tracked per request",
+    "admission_rejections": "no queue limits in the frontend",
+    "kv_block_lifetime_seconds": "no KV block residency sampling",
+    "kv_block_idle_before_evict_seconds": "no KV block residency sampling",
+    "kv_block_reuse_gap_seconds": "no KV block residency sampling",
+    "lora_requests_info": "no LoRA",
+    "cache_config_info": "no cache-config info gauge",
+}
+
+
+class ServerMetrics:
+    """The server's Prometheus metrics, fed from its engine-loop thread, read by ``render``.
+
+    ``max_model_len`` sizes the token-count histograms' buckets as vLLM does: pass the engine's
+    (``engine.max_model_len``); the default is the engine's default cap.
+    """
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, *,
+                 max_model_len: int | None = None):
+        self.model_name = model_name
+        self.max_model_len = max_model_len or DEFAULT_MAX_MODEL_LEN
+        self.registry = registry if registry is not None else CollectorRegistry()
+        labels = (model_name, "0")
+        token_buckets = request_tokens_buckets(self.max_model_len)
+        self.gauges = {n: Gauge(PREFIX + n, doc, LABELS, registry=self.registry).labels(*labels)
+                       for n, doc in GAUGES.items()}
+        self.counters = {n: Counter(PREFIX + n, doc, LABELS, registry=self.registry).labels(*labels)
+                         for n, doc in COUNTERS.items()}
+        self.labelled, self._families = {}, {}
+        for n, (doc, label, values) in LABELLED_COUNTERS.items():
+            family = self._families[n] = Counter(PREFIX + n, doc, (*LABELS, label), registry=self.registry)
+            self.labelled[n] = {v: family.labels(*labels, v) for v in values}  # all exposed from the start, as vLLM
+        self.histograms = {n: Histogram(PREFIX + n, doc, LABELS, registry=self.registry,
+                                        buckets=token_buckets if buckets is None else buckets).labels(*labels)
+                           for n, (doc, buckets) in HISTOGRAMS.items()}
+        self._last_step = None  # the last SchedulerOutput counted: an idle step's stale one is not counted twice
+        self._engine = None  # the engine of the last on_step: on_finished refreshes the gauges from it
+        self._finished: weakref.WeakSet = weakref.WeakSet()  # requests already counted by on_finished
+        self._warned_len = False
+
+    # ------------------------------------------------------------------ fed by the engine loop
+
+    def on_step(self, engine, requests_with_new_token, scheduler_output):
+        """After ``engine.step()``: ``requests_with_new_token`` is what it returned, ``scheduler_output``
+        the step's ``SchedulerOutput`` (``engine.last_step``; None, or the previous step's, when the
+        step ran nothing: then only the gauges are updated)."""
+        self._engine = engine
+        self._update_gauges(engine)
+        out = scheduler_output
+        if out is None or out is self._last_step:
+            return
+        self._last_step = out
+        if engine.max_model_len != self.max_model_len and not self._warned_len:
+            self._warned_len = True
+            log.warning("ServerMetrics was made for max_model_len=%d but the engine's is %d: token histogram "
+                        "buckets differ from vLLM's for it", self.max_model_len, engine.max_model_len)
+        keeps_kv = engine.kv.keeps_kv
+        caching = getattr(engine.kv, "prefix_cache", None) is not None
+        computed = queries = hits = 0
+        for req, n in zip(out.requests, out.num_new_tokens):
+            start = req.num_computed_tokens - n if keeps_kv else 0  # computed before this step
+            computed += max(0, min(len(req.prompt_token_ids), start + n) - start)
+            first_scheduled = req.metrics.first_scheduled_time
+            if caching and first_scheduled is not None and first_scheduled >= out.start and req.num_preemptions == 0:
+                queries += len(req.prompt_token_ids)  # first admitted this step, as the engine counts
+                hits += req.num_cached_tokens
+        prompt = cached = 0
+        for req in requests_with_new_token:
+            times = req.metrics.token_times
+            if len(req.output_token_ids) == 1:  # its first token: the prefill is done
+                p, c = len(req.prompt_token_ids), req.num_cached_tokens
+                prompt, cached = prompt + p, cached + c
+                self.labelled["prompt_tokens_by_source"]["local_compute"].inc(p - c)
+                self.labelled["prompt_tokens_by_source"]["local_cache_hit"].inc(c)
+                self.histograms["time_to_first_token_seconds"].observe(req.metrics.first_token_time
+                                                                       - req.metrics.arrival_time)
+            elif len(times) >= 2:
+                self.histograms["inter_token_latency_seconds"].observe(times[-1] - times[-2])
+        c = self.counters
+        c["prompt_tokens"].inc(prompt)
+        c["prompt_tokens_cached"].inc(cached)
+        c["prompt_tokens_computed"].inc(computed)
+        c["generation_tokens"].inc(len(requests_with_new_token))
+        c["prefix_cache_queries"].inc(queries)
+        c["prefix_cache_hits"].inc(hits)
+        c["num_preemptions"].inc(len(out.preempted))
+        self.histograms["iteration_tokens_total"].observe(out.total_tokens)
+
+    def _update_gauges(self, engine):
+        g = self.gauges
+        g["num_requests_running"].set(len(engine.scheduler.running))
+        g["num_requests_waiting"].set(len(engine.scheduler.waiting))
+        stats = engine.kv.stats()
+        total, free = stats.get("kv_blocks_total", 0), stats.get("kv_blocks_free", 0)
+        g["kv_cache_usage_perc"].set(1 - free / total if total else 0.0)
+        g["kv_cache_free_blocks"].set(free)
+
+    def on_finished(self, request):
+        """Once per finished request (done, stopped, aborted, failed); a second call is ignored. The
+        gauges are refreshed too: a request aborted between steps leaves no step behind to do it."""
+        if self._engine is not None:
+            self._update_gauges(self._engine)
+        if request.finish_reason is None:
+            log.warning("on_finished for request %s, which has not finished: ignored", request.request_id)
+            return
+        if request in self._finished:
+            return
+        self._finished.add(request)
+        m = request.metrics
+        end = m.finished_time if m.finished_time is not None else time.perf_counter()
+        scheduled, first = m.first_scheduled_time, m.first_token_time
+        last = m.token_times[-1] if m.token_times else None
+        # vLLM's phases: queued = arrival -> first scheduled, prefill = -> first token, decode = first ->
+        # last token, inference = prefill + decode. A phase the request never reached lasts 0; one it
+        # was in when it ended (aborted, failed) lasts until then.
+        queued = (scheduled if scheduled is not None else end) - m.arrival_time
+        prefill = (first if first is not None else end) - scheduled if scheduled is not None else 0.0
+        decode = last - first if first is not None else 0.0
+        inference = (last if last is not None else end) - scheduled if scheduled is not None else 0.0
+        n_out, n_prompt = len(request.output_token_ids), len(request.prompt_token_ids)
+        h = self.histograms
+        h["e2e_request_latency_seconds"].observe(end - m.arrival_time)
+        h["request_queue_time_seconds"].observe(queued)
+        h["request_prefill_time_seconds"].observe(prefill)
+        h["request_decode_time_seconds"].observe(decode)
+        h["request_inference_time_seconds"].observe(inference)
+        h["request_time_per_output_token_seconds"].observe(decode / (n_out - 1) if n_out > 1 else 0.0)
+        h["request_prompt_tokens"].observe(n_prompt)
+        h["request_generation_tokens"].observe(n_out)
+        h["request_num_preemptions"].observe(request.num_preemptions)
+        h["request_prefill_kv_computed_tokens"].observe(n_prompt - request.num_cached_tokens)
+        h["request_params_max_tokens"].observe(request.params.max_tokens)
+        reasons = self.labelled["request_success"]
+        if request.finish_reason not in reasons:  # not one of vLLM's: counted under its own name
+            reasons[request.finish_reason] = self._families["request_success"].labels(
+                self.model_name, "0", request.finish_reason)
+        reasons[request.finish_reason].inc()
+
+    # ------------------------------------------------------------------ read by the HTTP thread
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition for ``GET /metrics``: (body, content type)."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def names(self) -> dict[str, str]:
+        """Every metric family this object exposes, name (as constructed: counters without
+        ``_total``) -> type (``gauge``, ``counter``, ``histogram``)."""
+        return {f.name: f.type for f in self.registry.collect()}
+
+
+_HIDDEN_LABELS = ("model_name", "engine")
+
+
+def parse_metrics(text: str | bytes) -> dict[str, float]:
+    """An exposition (ours or vLLM's) as numbers, keyed three ways, each summed over the series it covers:
+
+    * ``name``: every label set, e.g. ``labsupport:generation_tokens_total``,
+      ``labsupport:e2e_request_latency_seconds_count``;
+    * ``name{labels}`` with every label, sorted, e.g.
+      ``labsupport:request_success_total{engine="0",finished_reason="stop",model_name="m"}``;
+    * ``name{labels}`` without ``model_name`` and ``engine``, where other labels remain, e.g.
+      ``labsupport:request_success_total{finished_reason="stop"}``,
+      ``labsupport:time_to_first_token_seconds_bucket{le="0.1"}``.
+
+    ``*_created`` series (creation timestamps) are left out.
+    """
+    if isinstance(text, bytes):
+        text = text.decode()
+    values: dict[str, float] = {}
+
+    def add(key, value):
+        values[key] = values.get(key, 0.0) + value
+
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.endswith("_created"):
+                continue
+            add(s.name, s.value)
+            if not s.labels:
+                continue
+            add(_key(s.name, s.labels), s.value)
+            rest = {k: v for k, v in s.labels.items() if k not in _HIDDEN_LABELS}
+            if rest and len(rest) < len(s.labels):
+                add(_key(s.name, rest), s.value)
+    return values
+
+
+def _key(name: str, labels: dict[str, str]) -> str:
+    return name + "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items())) + "}"
+
+
+def _escape(value: str) -> str:
+    return re.sub(r'(["\\])', r"\\\1", value).replace("\n", "\\n")
