@@ -1,6 +1,6 @@
-"""Command line: ``python -m labsupport {generate,serve,prepare,bench}``.
+"""Command line: ``python -m labsupport {generate,chat,serve,prepare,bench}``.
 
-``bench compare|roofline|profile`` are handed to ``labsupport.bench.cli`` before this parser
+``bench compare|roofline|profile|serve`` are handed to ``labsupport.bench.cli`` before this parser
 runs; plain ``bench --workload ...`` is parsed here, as in chapters 04-05.
 """
 from __future__ import annotations
@@ -23,14 +23,19 @@ def main(argv=None):
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
+    from .chat_cli import add_arguments as add_chat_arguments
+    add_chat_arguments(sub.add_parser("chat", help="chat with the model (in-process, or --url a server)"))
     srv = sub.add_parser("serve", help="start the OpenAI-compatible server")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", default=None)
+    from .serve.server import add_serve_arguments
+    add_serve_arguments(srv)
     sub.add_parser("prepare", help="convert the embedded default model once (make lab does this)")
     bench = sub.add_parser("bench", help="run a synthetic workload through the engine and print serving metrics",
-                           epilog="subcommands: bench compare | bench roofline | bench profile (each with --help): "
-                                  "ours vs transformers vs vLLM, the machine's roofline, our engine under the profiler")
+                           epilog="subcommands: bench compare | roofline | profile | serve (each with --help): "
+                                  "ours vs transformers vs vLLM, the machine's roofline, our engine under the profiler, "
+                                  "a load generator for any OpenAI-compatible server")
     bench.add_argument("--workload", default="poisson", choices=["poisson", "long-prompts"],
                        help="poisson: seeded Poisson arrivals; long-prompts: --num-requests short requests decoding, "
                             "--num-long long prompts arriving among them (chapter 05)")
@@ -68,6 +73,9 @@ def main(argv=None):
     srv.add_argument("--enable-result-cache", action="store_true")
     args = parser.parse_args(argv)
 
+    if args.command == "chat":
+        from .chat_cli import main as chat_main
+        return chat_main(args)
     if args.command == "prepare":
         from .models.loader import prepare_default_model
         print(prepare_default_model())
@@ -79,6 +87,9 @@ def main(argv=None):
                        enable_prefix_caching=args.enable_prefix_caching, cpu_offload_blocks=args.cpu_offload_blocks)
         if args.gpu_memory_utilization is not None:
             options["gpu_memory_utilization"] = args.gpu_memory_utilization
+        if args.command == "serve":
+            from .serve.server import engine_options
+            options.update(engine_options(args))
         if args.command == "bench":
             options.update(scheduling_policy=args.scheduling_policy, enable_chunked_prefill=args.enable_chunked_prefill,
                            max_num_batched_tokens=args.max_num_batched_tokens,
@@ -90,16 +101,17 @@ def main(argv=None):
             out = llm.generate(prompt, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                                       seed=args.seed), use_tqdm=False)[0]
             print(out.text)
+            from .chat_cli import chat_hint
+            if hint := chat_hint(llm, prompt):
+                print(hint, file=sys.stderr)
             return 0
         if args.command == "bench":
             return run_bench(llm, args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    import uvicorn
-    from .serve.api import create_app
-    uvicorn.run(create_app(llm, args.served_model_name), host=args.host, port=args.port)
-    return 0
+    from .serve.server import run_server
+    return run_server(llm, args)
 
 
 def run_bench(llm, args) -> int:

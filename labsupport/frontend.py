@@ -60,9 +60,7 @@ class Frontend:
                 raise ValueError("a prompt dict needs a 'prompt' or a 'prompt_token_ids' key")
             prompt = prompt["prompt"]
         if is_chat(prompt):
-            messages = [{"role": m["role"], "content": message_text(i, m)} for i, m in enumerate(prompt)]
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return self.tokenizer(text, add_special_tokens=False).input_ids, text
+            return self.chat_tokens(prompt)
         if isinstance(prompt, str):
             return self.tokenizer(prompt).input_ids, prompt
         raise ValueError(f"a prompt is a string, a chat message list or a dict, not {type(prompt).__name__}")
@@ -77,12 +75,25 @@ class Frontend:
         self.engine.check_prompt(ids)
         if isinstance(prompt, dict) and cache_salt is None:
             cache_salt = prompt.get("cache_salt")
-        prepared = PreparedRequest(ids, text, params, cache_salt)
+        return self.with_params(PreparedRequest(ids, text, params, cache_salt), params, use_result_cache)
+
+    def chat_tokens(self, messages, add_generation_prompt: bool = True) -> tuple[list[int], str]:
+        """``(token_ids, text)`` of a conversation through the model's chat template."""
+        messages = [{"role": m["role"], "content": message_text(i, m)} for i, m in enumerate(messages)]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False).input_ids, text
+
+    def with_params(self, prepared: PreparedRequest, params: SamplingParams,
+                    use_result_cache: bool = True) -> PreparedRequest:
+        """The same checked prompt with other sampling parameters (the server's ``n`` choices differ by
+        seed), looked up in the result cache afresh: tokenized and checked once, asked several times."""
+        again = PreparedRequest(prepared.prompt_token_ids, prepared.prompt, params, prepared.cache_salt)
         if self.result_cache is not None and use_result_cache and is_deterministic(params):
-            prepared.cache_key = result_key(self.model_name, ids, params, cache_salt)
-            hit = self.result_cache.get(prepared.cache_key)
-            prepared.cached = None if hit is None else self._replayed(hit)
-        return prepared
+            again.cache_key = result_key(self.model_name, again.prompt_token_ids, params, again.cache_salt)
+            hit = self.result_cache.get(again.cache_key)
+            again.cached = None if hit is None else self._replayed(hit)
+        return again
 
     def submit(self, prepared: PreparedRequest, request_id: str | None = None) -> Request:
         return self.engine.add_request(prepared.prompt_token_ids, prepared.params, request_id=request_id,
@@ -90,15 +101,21 @@ class Frontend:
 
     def complete(self, prepared: PreparedRequest, req: Request) -> RequestOutput:
         """The finished request's output; a complete deterministic answer goes into the result cache."""
-        out = self.engine.output(req)
+        return self.remember(prepared, self.engine.output(req))
+
+    def remember(self, prepared: PreparedRequest, out: RequestOutput) -> RequestOutput:
+        """Store a complete deterministic answer in the result cache; returns ``out``. The server calls
+        this on its event loop, the one thread that reads the cache, so no lock is needed."""
         if prepared.cache_key is not None and out.finish_reason in ("stop", "length"):
             self.result_cache.put(prepared.cache_key, out.copy())  # a copy: the caller may change what it got
         return out
 
     @staticmethod
     def _replayed(out: RequestOutput) -> RequestOutput:
-        """A copy of the cached answer, with its own id and timings: it arrived and finished now."""
+        """A copy of the cached answer, with its own id and timings: it arrived and finished now. None of
+        its prompt was computed, so all of it counts as cached (``usage.prompt_tokens_details``)."""
         now = time.perf_counter()
         metrics = RequestMetrics(arrival_time=now, first_scheduled_time=now, first_token_time=now,
                                  finished_time=now, token_times=[now] * len(out.token_ids))
-        return out.copy(request_id=next_request_id(), metrics=metrics, cached=True)
+        return out.copy(request_id=next_request_id(), metrics=metrics, cached=True,
+                        num_cached_tokens=len(out.prompt_token_ids))

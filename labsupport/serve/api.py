@@ -1,224 +1,203 @@
-"""A minimal OpenAI-compatible server over ``LLM``: ``/v1/chat/completions``, ``/v1/completions``,
-``/v1/models``, ``/health``. Chapter 06 replaces the lock below with an async engine that
-batches concurrent requests; the HTTP surface stays the same.
+"""The OpenAI-compatible server over an ``LLM``, with vLLM's extra routes.
 
-Errors look like OpenAI's (``{"error": {"message", "type", "param", "code"}}``) with the right
-status: 400 for a bad request, 404 for an unknown model. Never a traceback.
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+    GET /health   GET /version   GET /metrics   POST /tokenize   POST /detokenize
+
+Requests go through the same ``Frontend`` as ``LLM.generate`` (chat template, prompt checks,
+result cache), then through the ``AsyncEngine``, whose one thread steps the engine for all
+clients at once (continuous batching). The app's lifespan starts that thread and, on
+shutdown, stops it: in-flight requests end with an error, new ones get 503.
+
+Every error is OpenAI's JSON (``{"error": {"message", "type", "param", "code"}}``), never a
+traceback: 400 bad request, 401 no valid key, 404 unknown model or route, 413 body too large,
+429 waiting queue full, 500 a step failed, 503 shutting down or the engine loop died.
 """
 from __future__ import annotations
 
 import asyncio
-import json
-import threading
+import contextlib
+import logging
 import time
-import uuid
-from typing import Literal
+from importlib import metadata
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from fastapi.responses import Response
 from sse_starlette.sse import EventSourceResponse
-from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
-from ..engine.request import SamplingParams
-from ..frontend import Frontend, PreparedRequest
+from .async_engine import AsyncEngine, EngineUnavailableError, QueueFullError, RequestFailedError
+from .completions import Completion
+from .guard import DEFAULT_MAX_BODY_BYTES, Guard, bearer_token, tenant_salt
+from .openai_format import TokenText
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                       error_response)
 
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class Message(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]  # OpenAI's API allows a list of parts; vllm bench serve sends one
+log = logging.getLogger(__name__)
+SHUTDOWN_GRACE_S = 2.0  # on SIGTERM, a stream gets this long to send its error and [DONE] before it is cut
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+def make_metrics(model_name: str):
+    """``ServerMetrics`` for ``/metrics`` when ``serve/metrics.py`` is there; None until then."""
+    try:
+        from .metrics import ServerMetrics
+    except ImportError:
+        return None
+    return ServerMetrics(model_name)
 
 
-class CompletionParams(BaseModel):
-    model: str
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    n: int = Field(1, ge=1, le=1)
-    cache_salt: str | None = None  # tenant: no cached KV or results are shared across salts (as in vLLM)
-    skip_result_cache: bool = False  # bypass the result cache for this request
-
-    def sampling_params(self) -> SamplingParams:
-        limit = next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None), 256)
-        return SamplingParams(max_tokens=limit,
-                              temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-                              stop=self.stop, ignore_eos=self.ignore_eos)
+def version() -> str:
+    try:
+        return metadata.version("labsupport")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
-class ChatCompletionRequest(CompletionParams):
-    messages: list[Message] = Field(min_length=1)
+def create_app(llm, served_model_name: str | None = None, *, api_keys=(), max_waiting_requests: int | None = 1024,
+               max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics="auto") -> FastAPI:
+    """The app over an ``LLM``. ``app.state.engine`` is its ``AsyncEngine`` (started by the lifespan).
 
-
-class CompletionRequest(CompletionParams):
-    prompt: str
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
-        self.status, self.message, self.type, self.param = status, message, type_, param
-
-
-def error_response(status: int, message: str, type_: str, param=None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}},
-                        status_code=status)
-
-
-def create_app(llm, served_model_name: str | None = None) -> FastAPI:
-    """The app over an ``LLM``: requests go through its ``Frontend``, the same path ``generate`` takes."""
-    frontend: Frontend = llm.frontend
-    engine = frontend.engine
+    ``api_keys``: if any, ``/v1`` needs one, and each key is a tenant with its own cache salt.
+    ``metrics``: "auto" (``ServerMetrics`` if available), None, or an object with the hooks."""
+    frontend = llm.frontend
     name = served_model_name or frontend.model_name
-    app = FastAPI(title="LLM Serving Lab")
-    lock = threading.Lock()  # one generation at a time: the minimal server does not batch yet
+    engine = AsyncEngine(llm, max_waiting_requests, make_metrics(name) if metrics == "auto" else metrics)
+    token_text = TokenText(frontend.tokenizer)
 
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="LLM Serving Lab", version=version(), lifespan=lifespan)
+    app.state.engine, app.state.llm, app.state.model_name = engine, llm, name
+    app.add_middleware(Guard, api_keys=list(api_keys), max_body_bytes=max_request_body_bytes)
+    add_error_handlers(app)
+
+    def check_model(model: str | None):
+        if model is not None and model != name:
+            raise APIError(404, f"The model `{model}` does not exist. Served: `{name}`.", "not_found_error", "model")
+
+    async def complete(body, request: Request):
+        check_model(body.model)
+        key = bearer_token(request.headers) if api_keys else None
+        completion = Completion(body, frontend, name, tenant_salt(key, body.cache_salt), token_text)
+        completion.submit(engine)
+        if body.stream:
+            return EventSourceResponse(completion.events(), ping=15, sep="\n", shutdown_grace_period=SHUTDOWN_GRACE_S)
+        return await cancel_on_disconnect(request, completion.response())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await complete(body, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await complete(body, request)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "labsupport", "root": frontend.model_name,
+                                            "max_model_len": frontend.engine.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_healthy:
+            return error_response(503, engine.unavailable_reason(), "service_unavailable")
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def get_version():
+        return {"version": version()}
+
+    @app.get("/metrics")
+    async def get_metrics():
+        if engine.metrics is None:
+            raise APIError(404, "metrics are not available on this server", "not_found_error")
+        body, content_type = engine.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either 'prompt' (text) or 'messages' (a conversation)", param="prompt")
+        try:
+            if body.messages is not None:
+                ids, _ = frontend.chat_tokens([m.as_dict() for m in body.messages], body.add_generation_prompt)
+            else:
+                special = True if body.add_special_tokens is None else body.add_special_tokens
+                ids = frontend.tokenizer(body.prompt, add_special_tokens=special).input_ids
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+        strs = frontend.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": frontend.engine.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        vocab = len(frontend.tokenizer)
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must lie in [0, {vocab})", param="tokens")
+        return {"prompt": frontend.tokenizer.decode(body.tokens)}
+
+    return app
+
+
+async def cancel_on_disconnect(request: Request, work):
+    """Await a non-streamed answer, but stop (aborting its engine requests) if the client hangs up:
+    nobody would read it, and its tokens would take steps from clients who are still there."""
+    task = asyncio.ensure_future(work)
+
+    async def hung_up():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(hung_up())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()  # its stream closes (aborting the engine requests) as the cancellation lands
+    if task.done() and not task.cancelled():
+        return task.result()  # the answer, or its exception for the error handlers
+    return error_response(499, "the client closed the connection", "client_closed_request")
+
+
+def add_error_handlers(app: FastAPI):
     @app.exception_handler(RequestValidationError)
     async def bad_request(_, exc: RequestValidationError):
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"] if p != "body")
-        return error_response(400, f"{where}: {first['msg']}", "invalid_request_error", where or None)
+        return error_response(400, f"{where}: {first['msg']}" if where else first["msg"], param=where or None)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, exc: HTTPException):
+        return error_response(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404
+                              else "invalid_request_error")
 
     @app.exception_handler(APIError)
     async def api_error(_, exc: APIError):
         return error_response(exc.status, exc.message, exc.type, exc.param)
 
+    @app.exception_handler(QueueFullError)
+    async def queue_full(_, exc: QueueFullError):
+        return error_response(429, str(exc), "rate_limit_error")
+
+    @app.exception_handler(EngineUnavailableError)
+    async def unavailable(_, exc: EngineUnavailableError):
+        return error_response(503, str(exc), "service_unavailable")
+
+    @app.exception_handler(RequestFailedError)
+    async def failed(_, exc: RequestFailedError):
+        return error_response(500, str(exc), "server_error")
+
     @app.exception_handler(Exception)
     async def internal_error(_, exc: Exception):
+        log.exception("unexpected error while serving a request")
         return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
-
-    def check(body: CompletionParams, prompt) -> PreparedRequest:
-        if body.model != name:
-            raise APIError(404, f"The model `{body.model}` does not exist. Served: `{name}`.", "not_found_error",
-                           "model")
-        try:  # the frontend's rules, answered as a 400 before any work
-            return frontend.prepare(prompt, body.sampling_params(), cache_salt=body.cache_salt,
-                                    use_result_cache=not body.skip_result_cache)
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from exc
-
-    def run(prepared: PreparedRequest, on_token=None):
-        with lock:
-            req = frontend.submit(prepared)
-            try:
-                while not req.is_finished:
-                    engine.step()
-                    if on_token and not on_token(req):
-                        engine.abort(req)  # the client went away: stop spending compute on it
-            finally:
-                engine.abort(req)  # a no-op once finished; frees everything if the step raised
-            return frontend.complete(prepared, req)
-
-    def usage(out):
-        p, c = len(out.prompt_token_ids), len(out.token_ids)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-    async def respond(body: CompletionParams, prompt, chat: bool):
-        prepared = check(body, [m.model_dump() for m in prompt] if chat else prompt)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        created = int(time.time())
-        if prepared.cached is not None and body.stream:  # a cached answer streams as one chunk
-            return EventSourceResponse(replay(rid, created, prepared.cached, chat, body), sep="\n")
-        if body.stream:
-            return EventSourceResponse(stream(rid, created, prepared, chat, body), ping=15, sep="\n")
-        out = prepared.cached or await run_in_threadpool(run, prepared)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": out.text}} if chat
-                  else {"index": 0, "text": out.text})
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": name, "choices": [{**choice, "finish_reason": out.finish_reason}], "usage": usage(out)}
-
-    def chunk_json(rid, created, body, chat, delta=None, finish=None, role=False):
-        if chat:
-            d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta is not None else {})
-            choice = {"index": 0, "delta": d, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": delta or "", "finish_reason": finish}
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        return json.dumps({"id": rid, "object": obj, "created": created, "model": body.model, "choices": [choice]})
-
-    def usage_json(rid, created, body, chat, req):
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        return json.dumps({"id": rid, "object": obj, "created": created, "model": body.model,
-                           "choices": [], "usage": usage(req)})
-
-    async def replay(rid, created, req, chat, body):
-        if chat:
-            yield chunk_json(rid, created, body, chat, role=True)
-        yield chunk_json(rid, created, body, chat, req.text, req.finish_reason)
-        if body.stream_options and body.stream_options.include_usage:
-            yield usage_json(rid, created, body, chat, req)
-        yield "[DONE]"
-
-    async def stream(rid, created, prepared, chat, body):
-        queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        state = {"sent": 0, "connected": True}
-
-        def on_token(req):
-            text = req.streamable_text()  # holds back what a stop string may still cut
-            delta = text[state["sent"]:]
-            state["sent"] = len(text)
-            loop.call_soon_threadsafe(queue.put_nowait, (delta, req.finish_reason))
-            return state["connected"]
-
-        def work():
-            try:
-                return run(prepared, on_token)
-            finally:
-                loop.call_soon_threadsafe(queue.put_nowait, None)  # always wake the stream up
-
-        task = loop.run_in_executor(None, work)
-        def chunk(delta=None, finish=None, role=False):
-            return chunk_json(rid, created, body, chat, delta, finish, role)
-
-        try:
-            if chat:
-                yield chunk(role=True)
-            while (item := await queue.get()) is not None:
-                delta, finish = item
-                if delta or finish:
-                    yield chunk(delta, finish)
-            try:
-                out = await task
-            except Exception as exc:
-                yield json.dumps({"error": {"message": f"internal error: {type(exc).__name__}",
-                                            "type": "internal_error", "param": None, "code": 500}})
-                return
-            if body.stream_options and body.stream_options.include_usage:
-                yield usage_json(rid, created, body, chat, out)
-            yield "[DONE]"
-        finally:
-            state["connected"] = False  # on disconnect the engine thread aborts at its next token
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
-        return await respond(body, body.messages, True)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        return await respond(body, body.prompt, False)
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "labsupport",
-                                            "max_model_len": engine.max_model_len}]}
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    return app

@@ -22,7 +22,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 class BackgroundServer:
     def __init__(self, app, host: str = "127.0.0.1", port: int | None = None):
         self.host, self.port = host, port or free_port(host)
-        self.server = uvicorn.Server(uvicorn.Config(app, host=self.host, port=self.port, log_level="warning"))
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host=self.host, port=self.port, log_level="warning",
+                                                    timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
@@ -39,6 +41,9 @@ class BackgroundServer:
         return self
 
     def stop(self):
+        engine = getattr(getattr(self.app, "state", None), "engine", None)
+        if engine is not None:  # our app: requests in flight end now (with an error), so nothing holds the stop up
+            engine.shutdown(wait=False)
         self.server.should_exit = True
         self.thread.join(timeout=10)
 

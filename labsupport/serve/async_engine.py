@@ -1,0 +1,303 @@
+"""AsyncEngine: many HTTP clients, one engine loop, continuous batching between them.
+
+Why a thread and not an asyncio task: ``engine.step()`` is a blocking torch call of 10-100 ms.
+Run on the event loop, it would freeze everything else the loop does (parsing requests, writing
+SSE chunks, noticing disconnects) for the whole step, every step. In its own thread it does
+not: torch releases the GIL inside its operators, so the event loop keeps serving while the
+forward pass runs, and requests that arrive meanwhile join the next step.
+
+The thread owns the engine exclusively; nothing else calls into it while the server runs
+(``llm.generate`` on the same LLM at the same time would race it). The event loop talks to it
+through an inbox (add this request, abort that one) that the thread drains at the top of each
+iteration, and it sleeps on a ``threading.Event`` when it has nothing to do. Outputs go back
+through one ``asyncio.Queue`` per HTTP request, fed with ``loop.call_soon_threadsafe``: the
+only safe way to wake an event loop from another thread. Every output is cumulative (all the
+text and tokens so far), so a consumer that falls behind takes the latest and skips the rest.
+
+Failure has three sizes. A step that raises fails only its own requests (``LLMEngine`` does
+that); their clients get an error, the others go on. If the loop thread itself dies, every
+pending request gets an error and ``is_healthy`` turns False (``/health`` answers 503). And
+``shutdown()`` stops accepting, aborts what is in flight with an error, and joins the thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from ..engine.request import Request, RequestOutput
+from ..frontend import PreparedRequest
+
+log = logging.getLogger(__name__)
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine takes no requests: shut down, or its loop died (HTTP 503)."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests wait than ``max_waiting_requests`` allows (HTTP 429)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request (a step raised) or aborted it (HTTP 500)."""
+
+
+@dataclass
+class _Live:
+    """A request the loop thread runs for a consumer: where its outputs go."""
+
+    req: Request
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    index: int
+
+
+class RequestStream:
+    """The outputs of the engine requests of one HTTP request (``n`` choices, several prompts).
+
+    ``async for batch in stream`` gives ``{index: latest RequestOutput}`` for the requests that
+    moved since the last batch and ends when all have finished. Closing it early (``close``,
+    ``aclose``, or the consuming task being cancelled when a client disconnects) aborts the
+    unfinished ones; the engine frees their blocks at its next iteration.
+    """
+
+    def __init__(self, engine: "AsyncEngine", request_ids: list[str]):
+        self.engine, self.request_ids = engine, list(request_ids)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.unfinished = set(range(len(request_ids)))
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> dict[int, RequestOutput]:
+        if not self.unfinished:
+            raise StopAsyncIteration
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        batch = {}
+        for index, item in items:  # outputs are cumulative: the latest of each index is all it needs
+            if isinstance(item, BaseException):
+                self.close()
+                raise item
+            batch[index] = item
+            if item.finished:
+                self.unfinished.discard(index)
+        return batch
+
+    def close(self):
+        """Abort whatever has not finished (idempotent, never blocks: safe in a ``finally``)."""
+        for index in self.unfinished:
+            self.engine.abort(self.request_ids[index])
+        self.unfinished = set()
+
+    async def aclose(self):
+        self.close()
+
+    def __del__(self):  # a stream dropped unread (its response never started) must not run on
+        if getattr(self, "unfinished", None):
+            self.close()
+
+
+class AsyncEngine:
+    """Serve an ``LLM`` to many concurrent asyncio consumers from one engine-loop thread.
+
+    ``metrics``: an object with ``on_step(engine, got_token_requests, scheduler_output)`` (after each
+    step that ran) and ``on_finished(request)`` (each request that leaves: finished, aborted or
+    failed), called from the loop thread; ``serve.metrics.ServerMetrics`` is one.
+    """
+
+    def __init__(self, llm, max_waiting_requests: int | None = 1024, metrics=None):
+        self.llm, self.engine, self.frontend = llm, llm.engine, llm.frontend
+        self.max_waiting_requests = max_waiting_requests
+        self.metrics = metrics
+        self._lock = threading.RLock()  # guards the inbox and _closed; reentrant: RequestStream.__del__
+        self._inbox: deque = deque()
+        self._queued = 0  # adds in the inbox: waiting, but not yet in the scheduler's queue
+        self._closed = False  # no more requests: shut down, or the loop died
+        self._stopping = False
+        self._wake = threading.Event()
+        self._live: dict[str, _Live] = {}  # loop thread only
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.dead_reason: BaseException | None = None
+        self.num_steps = 0  # steps this loop ran
+        self.peak_batch_size = 0  # the most requests one step ran: > 1 means clients shared steps
+
+    # ------------------------------------------------------------------ the event loop's side
+
+    def start(self) -> "AsyncEngine":
+        with self._lock:
+            if not self._thread.is_alive() and not self._closed and self._thread.ident is None:
+                self._thread.start()
+        return self
+
+    @property
+    def is_healthy(self) -> bool:
+        return not self._closed and self._thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests accepted but not yet running: in the inbox or the scheduler's waiting queue."""
+        return self._queued + len(self.engine.scheduler.waiting)
+
+    def submit(self, prepared: list[PreparedRequest], request_ids: list[str]) -> RequestStream:
+        """Queue engine requests now (called on the event loop); raises before anything is queued if the
+        engine is unavailable or the waiting queue is full, so the server can still answer 503/429."""
+        self.start()
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(self, request_ids)
+        with self._lock:
+            if self._closed:
+                raise EngineUnavailableError(self.unavailable_reason())
+            limit = self.max_waiting_requests
+            if limit is not None and self.num_waiting + len(prepared) > limit:
+                raise QueueFullError(f"the server is at capacity: {self.num_waiting} requests are waiting "
+                                     f"(max_waiting_requests={limit}); retry later")
+            for index, (p, rid) in enumerate(zip(prepared, request_ids)):
+                self._inbox.append(("add", p, rid, loop, stream.queue, index))
+            self._queued += len(prepared)
+        self._wake.set()
+        return stream
+
+    async def generate(self, prepared: PreparedRequest, request_id: str) -> AsyncIterator[RequestOutput]:
+        """One request's outputs, cumulative, the last one finished. Closing the iterator early aborts it."""
+        stream = self.submit([prepared], [request_id])
+        try:
+            async for batch in stream:
+                yield batch[0]
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str):
+        """Abort a request from any thread; a no-op once it has finished (or the loop has ended)."""
+        with self._lock:
+            if self._closed:
+                return  # the loop aborts everything it still holds on its way out
+            self._inbox.append(("abort", request_id))
+        self._wake.set()
+
+    def shutdown(self, timeout: float = 10.0, wait: bool = True):
+        """Stop accepting requests, abort those in flight with an error, and (``wait``) join the thread.
+
+        ``wait=False`` only starts it: safe in a signal handler on the event loop. Idempotent. The
+        LLM itself stays usable (``llm.generate`` works again once the thread is gone)."""
+        with self._lock:
+            self._closed = self._stopping = True
+        self._wake.set()
+        if wait and self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def unavailable_reason(self) -> str:
+        if self.dead_reason is not None:
+            return f"the engine loop died ({type(self.dead_reason).__name__}: {self.dead_reason}); restart the server"
+        return "the server is shutting down"
+
+    # ------------------------------------------------------------------ the loop thread's side
+
+    def _run(self):
+        try:
+            while True:
+                self._wake.clear()  # cleared before draining: a request added after the drain wakes us
+                self._drain_inbox()
+                if self._stopping:
+                    break
+                if self._live:
+                    self._step()
+                else:
+                    self._wake.wait()
+        except BaseException as exc:  # a bug here, or an exit inside a step: nothing can be served
+            self.dead_reason = exc
+            log.exception("the engine loop died")
+        finally:
+            self._fail_everything(EngineUnavailableError(self.unavailable_reason()))
+
+    def _drain_inbox(self):
+        with self._lock:
+            items, self._inbox = self._inbox, deque()
+            self._queued -= sum(item[0] == "add" for item in items)
+        for item in items:
+            if item[0] == "add":
+                _, prepared, rid, loop, queue, index = item
+                try:
+                    req = self.frontend.submit(prepared, rid)
+                except Exception as exc:  # checked before, so rare: the engine was shut down under us
+                    _deliver(loop, queue, index, RequestFailedError(f"{type(exc).__name__}: {exc}"))
+                    continue
+                self._live[rid] = _Live(req, loop, queue, index)
+            else:
+                live = self._live.pop(item[1], None)
+                if live is not None:
+                    self.engine.abort(live.req)
+                    self._finished(live.req)
+
+    def _step(self):
+        steps_before = self.engine.num_steps
+        try:
+            got = self.engine.step()
+        except Exception:  # the engine failed this step's requests ("error") and logged why; go on
+            got = []
+        ran = self.engine.num_steps > steps_before
+        if ran:
+            self.num_steps += 1
+            self.peak_batch_size = max(self.peak_batch_size, len(self.engine.last_step.requests))
+            self._hook("on_step", self.engine, got, self.engine.last_step)
+        moved = {r.request_id for r in got}
+        for rid, live in list(self._live.items()):
+            if live.req.is_finished:
+                del self._live[rid]
+                self._finished(live.req)
+                _deliver(live.loop, live.queue, live.index, self._final(live.req))
+            elif rid in moved:
+                out = self.engine.output(live.req)
+                _deliver(live.loop, live.queue, live.index, dataclasses.replace(out, text=live.req.streamable_text()))
+        if not ran and self._live:
+            self._wake.wait(0.01)  # nothing could be scheduled now: do not spin
+
+    def _final(self, req: Request):
+        if req.finish_reason in ("stop", "length"):
+            return self.engine.output(req)
+        why = "a step failed" if req.finish_reason == "error" else f"finish reason {req.finish_reason!r}"
+        return RequestFailedError(f"the engine could not complete request {req.request_id}: {why}")
+
+    def _finished(self, req: Request):
+        self._hook("on_finished", req)
+
+    def _hook(self, name: str, *args):
+        """Call a metrics hook; a broken metric is logged, it never stops the serving."""
+        if self.metrics is not None:
+            try:
+                getattr(self.metrics, name)(*args)
+            except Exception:
+                log.exception("metrics.%s failed", name)
+
+    def _fail_everything(self, error: Exception):
+        """The loop is ending: refuse new requests, abort every one in flight, tell every consumer."""
+        with self._lock:
+            self._closed = True
+            items, self._inbox = self._inbox, deque()
+            self._queued = 0
+        for item in items:
+            if item[0] == "add":
+                _, _, _, loop, queue, index = item
+                _deliver(loop, queue, index, error)
+        lives, self._live = list(self._live.values()), {}
+        try:
+            self.engine.abort_requests([live.req for live in lives])
+        except Exception:
+            log.exception("aborting the requests in flight failed")
+        for live in lives:
+            self._finished(live.req)
+            _deliver(live.loop, live.queue, live.index, error)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int, item):
+    """Hand an output (or an error) to its consumer's event loop, from the engine thread."""
+    try:
+        loop.call_soon_threadsafe(queue.put_nowait, (index, item))
+    except RuntimeError:  # that event loop is closed: nobody is listening any more
+        pass

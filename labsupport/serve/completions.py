@@ -1,0 +1,240 @@
+"""One chat or text completion request, from its JSON body to OpenAI's answer, whole or streamed.
+
+Everything that can be refused is refused before the response starts, so it still has a status
+code: the model name (404), the prompt and the sampling values (400), the context length (400,
+with both numbers, as vLLM says it), a full waiting queue (429), a server going down (503).
+Only then does streaming begin; an error after that point is sent as an SSE ``error`` event
+followed by ``[DONE]``, which the ``openai`` client raises as an ``APIError``.
+
+``n`` choices of one prompt are ``n`` engine requests submitted together: they are admitted in
+the same step, so the prompt's full KV blocks are computed once and shared through the prefix
+cache. Their seeds differ (``seed + i``, as vLLM does) or every choice would be the same draw.
+A list of prompts (text completions) gives ``n`` choices per prompt, indexed prompt-major.
+
+Streamed deltas are cut from cumulative outputs whose text the engine already holds back where
+a stop string might still begin or a character is still incomplete, so the deltas join to
+exactly the text a non-streamed request returns.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from ..engine.request import SamplingParams
+from ..frontend import PreparedRequest
+from . import openai_format as fmt
+from .async_engine import EngineUnavailableError, RequestFailedError
+from .protocol import MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest, error_body
+
+log = logging.getLogger(__name__)
+INT64 = 1 << 63
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for text completions
+
+
+def context_check(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
+    """The output budget, or a 400 stating both numbers (vLLM's wording, so clients' parsers work)."""
+    if prompt_len >= max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your request "
+                            f"has {prompt_len} input tokens. Please reduce the length of the input messages.",
+                       param="messages")
+    if max_tokens is None:
+        return max_model_len - prompt_len
+    if prompt_len + max_tokens > max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                            f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the "
+                            f"completion). Please reduce the length of the messages or completion.",
+                       param="max_tokens")
+    return max_tokens
+
+
+def sampling_params(body, max_tokens: int, vocab_size: int, seed_offset: int = 0,
+                    logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+    """The engine's parameters for one choice; a value it refuses is a 400 saying why."""
+    if body.presence_penalty or body.frequency_penalty:
+        raise APIError(400, "presence_penalty and frequency_penalty are not supported by this engine; leave them at 0",
+                       param="presence_penalty" if body.presence_penalty else "frequency_penalty")
+    seed = body.seed
+    if seed is not None and seed_offset and -INT64 <= seed < INT64:
+        seed = (seed + seed_offset + INT64) % (2 * INT64) - INT64  # wraps within int64, as a seed must stay
+    extras = {"top_k": min(body.top_k, vocab_size) if body.top_k > 0 else None, "min_tokens": body.min_tokens or None,
+              "stop_token_ids": body.stop_token_ids, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
+    extras = {k: v for k, v in extras.items() if v is not None}  # only what was asked for
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=seed,
+                              stop=body.stop, ignore_eos=body.ignore_eos, **extras)
+    except TypeError as exc:  # an engine without these options yet
+        raise APIError(400, f"this engine does not support {sorted(extras)} yet ({exc})") from exc
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
+
+
+@dataclass
+class Choice:
+    """What a stream has sent of one choice so far."""
+
+    chars: int = 0
+    tokens: int = 0
+    opened: bool = False  # something of it was sent
+    offset: int = 0  # legacy logprobs: where the next token's text begins
+
+
+class Completion:
+    """One request: its checked engine requests, then its answer (``response``) or its stream (``events``)."""
+
+    def __init__(self, body: ChatCompletionRequest | CompletionRequest, frontend, model_name: str,
+                 cache_salt: str | None, token_text: fmt.TokenText):
+        self.body, self.frontend, self.model_name, self.token_text = body, frontend, model_name, token_text
+        self.chat = isinstance(body, ChatCompletionRequest)
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.num_top = body.num_logprobs()
+        self.echo = not self.chat and body.echo
+        prompts = [[m.as_dict() for m in body.messages]] if self.chat else body.prompts()
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise APIError(400, f"{len(prompts)} prompts x n={body.n} choices is too many for one request "
+                                f"(max {MAX_CHOICES}): send several requests")
+        self.prepared: list[PreparedRequest] = []
+        for prompt in prompts:
+            self.prepared += self._prepare(prompt, cache_salt)
+        self.request_ids = [f"{self.id}-{i}" for i in range(len(self.prepared))]
+
+    def _prepare(self, prompt, cache_salt) -> list[PreparedRequest]:
+        engine = self.frontend.engine
+        try:
+            ids, text = self.frontend.tokenize({"prompt_token_ids": prompt} if isinstance(prompt, list)
+                                               and not self.chat else prompt)
+            if not ids:
+                raise ValueError("the prompt is empty: give at least one token of text")
+            limit = self.body.limit()
+            if limit is None and not self.chat:
+                limit = DEFAULT_COMPLETION_MAX_TOKENS
+            max_tokens = context_check(len(ids), limit, engine.max_model_len)
+            engine.check_prompt(ids)  # the engine's other rules (token range, batch budget, pool size)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages" if self.chat else "prompt") from exc
+        if text is None and self.echo:
+            text = self.frontend.tokenizer.decode(ids)
+        first = PreparedRequest(ids, text, SamplingParams(), cache_salt)
+        vocab = engine.model.config.vocab_size
+        return [self.frontend.with_params(first, sampling_params(
+            self.body, max_tokens, vocab, i, self.num_top, self.num_top if self.echo else None),
+            use_result_cache=not self.body.skip_result_cache) for i in range(self.body.n)]
+
+    # ------------------------------------------------------------------ running
+
+    def submit(self, engine):
+        """Queue what the result cache did not answer; raises QueueFullError/EngineUnavailableError."""
+        self.outputs = {i: p.cached for i, p in enumerate(self.prepared) if p.cached is not None}
+        self.todo = [i for i in range(len(self.prepared)) if i not in self.outputs]
+        self.stream = engine.submit([self.prepared[i] for i in self.todo], [self.request_ids[i] for i in self.todo])
+
+    async def _batches(self):
+        """``{choice index: latest output}``; cached answers first, all at once."""
+        if self.outputs:
+            yield dict(self.outputs)
+        async for batch in self.stream:
+            batch = {self.todo[k]: out for k, out in batch.items()}
+            for i, out in batch.items():
+                self.outputs[i] = out
+                if out.finished and not out.cached:
+                    self.frontend.remember(self.prepared[i], out)
+            yield batch
+
+    async def response(self) -> dict:
+        try:
+            async for _ in self._batches():
+                pass
+        finally:
+            self.stream.close()
+        choices = []
+        for i in range(len(self.prepared)):
+            out = self.outputs[i]
+            lp = self._logprobs(i, out, Choice())
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
+                                "logprobs": lp, "finish_reason": out.finish_reason})
+            else:
+                text = (self.prepared[i].prompt + out.text) if self.echo else out.text
+                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason})
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model_name, "choices": choices, "usage": self._usage()}
+
+    async def events(self):
+        """SSE data lines (sse-starlette adds ``data:``); closing this generator aborts what still runs."""
+        sent = {i: Choice() for i in range(len(self.prepared))}
+        try:
+            for i in sent if self.chat else ():  # a chat stream opens each choice with its role
+                yield self._chunk(i, {"role": "assistant", "content": ""})
+            async for batch in self._batches():
+                for i, out in batch.items():
+                    chunk = self._delta(i, out, sent[i])
+                    if chunk is not None:
+                        yield chunk
+            if self.body.include_usage:
+                yield json.dumps({"id": self.id, "object": self._chunk_object(), "created": self.created,
+                                  "model": self.model_name, "choices": [], "usage": self._usage()})
+        except (RequestFailedError, EngineUnavailableError) as exc:
+            status = 503 if isinstance(exc, EngineUnavailableError) else 500
+            yield json.dumps(error_body(status, str(exc), "server_error"))
+        except Exception as exc:  # a bug: the client still gets an error and [DONE], never a cut stream
+            log.exception("streaming %s failed", self.id)
+            yield json.dumps(error_body(500, f"internal error: {type(exc).__name__}", "internal_error"))
+        finally:
+            self.stream.close()
+        yield "[DONE]"
+
+    # ------------------------------------------------------------------ formatting
+
+    def _delta(self, i: int, out, sent: Choice) -> str | None:
+        text, new_tokens = out.text[sent.chars:], out.token_ids[sent.tokens:]
+        if self.echo and not sent.opened:  # an echoing stream's first text is the prompt's
+            text = self.prepared[i].prompt + text
+        finish = out.finish_reason if out.finished else None
+        logprobs = self._logprobs(i, out, sent)
+        sent.chars, sent.tokens, sent.opened = len(out.text), len(out.token_ids), True
+        if not text and finish is None and not (logprobs and new_tokens):
+            return None
+        return self._chunk(i, text, finish, logprobs)
+
+    def _chunk(self, i: int, content, finish: str | None = None, logprobs=None) -> str:
+        if self.chat:
+            delta = content if isinstance(content, dict) else ({"content": content} if content else {})
+            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        else:
+            choice = {"index": i, "text": content, "logprobs": logprobs, "finish_reason": finish}
+        return json.dumps({"id": self.id, "object": self._chunk_object(), "created": self.created,
+                           "model": self.model_name, "choices": [choice]})
+
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _logprobs(self, i: int, out, sent: Choice):
+        """Log probabilities of the tokens after ``sent.tokens``; an echoing choice's first ones start
+        with the prompt's (``prompt_logprobs``, the first ``None``)."""
+        if self.num_top is None:
+            return None
+        lps = getattr(out, "logprobs", None) or []
+        ids, new = out.token_ids[sent.tokens:len(lps)], lps[sent.tokens:]
+        if self.chat:
+            return {"content": fmt.chat_logprobs(self.token_text, ids, new, self.num_top)}
+        parts = []
+        if self.echo and not sent.opened:
+            prompt = self.prepared[i].prompt_token_ids
+            prompt_lps = getattr(out, "prompt_logprobs", None) or [None] * len(prompt)
+            parts.append(fmt.completion_logprobs(self.token_text, prompt, prompt_lps, self.num_top, 0))
+            sent.offset = len(self.prepared[i].prompt)  # the output's text begins right after the prompt's
+        parts.append(fmt.completion_logprobs(self.token_text, ids, new, self.num_top, sent.offset))
+        if parts[-1]["tokens"]:
+            sent.offset = parts[-1]["text_offset"][-1] + len(parts[-1]["tokens"][-1])
+        return fmt.join_completion_logprobs(parts)
+
+    def _usage(self) -> dict:
+        n, prompt_tokens, cached = self.body.n, 0, 0
+        for first in range(0, len(self.prepared), n):  # the prompt counts once, not once per choice
+            prompt_tokens += len(self.prepared[first].prompt_token_ids)
+            cached += fmt.cached_tokens(self.outputs[first])
+        completion = sum(len(out.token_ids) for out in self.outputs.values())
+        return fmt.usage(prompt_tokens, completion, cached)

@@ -1,0 +1,86 @@
+"""The door: API keys and body size, checked before the app parses a byte of JSON.
+
+A plain ASGI middleware, not a FastAPI dependency, because both checks must run *before* the
+body is read and validated: a client without a key gets 401 whatever it sent, and a 1 GB body
+is refused at its ``Content-Length`` (413), or, when it comes chunked without one, as soon as
+the bytes counted so far pass the limit, instead of being buffered whole by the JSON parser.
+
+As in ``vllm serve``, only ``/v1/...`` needs a key (``/health``, ``/metrics``, ``/version``,
+``/tokenize`` stay open to probes and tools). Keys are compared in constant time. With keys,
+each key is a tenant: ``tenant_salt`` turns it into a cache salt, so two keys never share
+cached KV blocks or cached results (a tenant could otherwise time another's prompts).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from .protocol import error_response
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+
+
+def bearer_token(headers) -> str | None:
+    """The key of ``Authorization: Bearer <key>`` (Starlette headers or raw ASGI header pairs)."""
+    if not hasattr(headers, "get"):
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers}
+    value = headers.get("authorization") or ""
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def tenant_salt(api_key: str | None, client_salt: str | None) -> str | None:
+    """The cache salt of a request: the tenant's key (hashed: salts appear in logs and metrics), then the
+    client's own salt, so a tenant may still split its own traffic further."""
+    if api_key is None:
+        return client_salt
+    tenant = "tenant-" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+    return tenant if client_salt is None else f"{tenant}/{client_salt}"
+
+
+class Guard:
+    def __init__(self, app, api_keys=(), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        self.app, self.api_keys, self.max_body_bytes = app, [k.encode() for k in api_keys], max_body_bytes
+
+    def authorized(self, headers) -> bool:
+        token = bearer_token(headers)
+        if token is None:
+            return False
+        given = token.encode()
+        matches = [hmac.compare_digest(given, key) for key in self.api_keys]  # every key, always: constant time
+        return any(matches)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.api_keys and scope["path"].startswith("/v1") and not self.authorized(scope["headers"]):
+            return await error_response(401, "Unauthorized: send a valid API key as 'Authorization: Bearer <key>'",
+                                        "authentication_error")(scope, receive, send)
+        length = next((v for k, v in scope["headers"] if k.lower() == b"content-length"), None)
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            return await self.too_large(scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        body, more = bytearray(), True
+        while more:  # count what arrives, whatever the headers said
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body_bytes:
+                return await self.too_large(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # after the body: the client's disconnect, as the app expects
+
+        await self.app(scope, replay, send)
+
+    async def too_large(self, scope, receive, send):
+        await error_response(413, f"the request body is over {self.max_body_bytes} bytes "
+                                  "(the server's --max-request-body-bytes)")(scope, receive, send)

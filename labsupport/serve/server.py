@@ -1,0 +1,86 @@
+"""``python -m labsupport serve``: uvicorn around the app, and a clean stop on SIGTERM or Ctrl-C.
+
+On the signal, requests in flight end at once with an error (their clients learn why instead
+of waiting on a stream that will never finish), uvicorn drains the connections, the app's
+lifespan joins the engine thread, and the process exits 0: a stop asked for is not a crash,
+so supervisors (systemd, Kubernetes, ``make``) do not report one. uvicorn re-raises the signal
+it caught once it is done; the no-op handlers installed before it starts are what it restores,
+so that re-raise ends nothing.
+"""
+from __future__ import annotations
+
+import signal
+
+import uvicorn
+
+GRACEFUL_SHUTDOWN_S = 10  # uvicorn waits this long for responses in flight before cancelling them
+
+
+class LabServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, engine):
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig, frame):
+        self.engine.shutdown(wait=False)  # on the event loop's thread: only flags, never blocks
+        super().handle_exit(sig, frame)
+
+
+def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> int:
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    server = LabServer(config, app.state.engine)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    return 0 if server.started else 1
+
+
+def add_serve_arguments(srv):
+    """The ``serve`` flags beyond the engine's common ones, named as ``vllm serve`` names them."""
+    srv.add_argument("model_tag", nargs="?", default=None, help="the model, as in `vllm serve MODEL` (or --model)")
+    srv.add_argument("--api-key", action="append", default=[],
+                     help="a key clients must send as 'Authorization: Bearer KEY' on /v1 (repeat for several; "
+                          "each key is a tenant: no cached KV or results are shared between keys)")
+    srv.add_argument("--api-key-file", default=None, help="more keys, one per line")
+    srv.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                     help="prefix caching is on by default when serving, as in vllm serve")
+    srv.add_argument("--enable-chunked-prefill", action="store_true")
+    srv.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    srv.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    srv.add_argument("--max-waiting-requests", type=int, default=1024,
+                     help="requests waiting for a slot beyond this get 429 (0: no waiting at all)")
+    srv.add_argument("--max-request-body-bytes", type=int, default=4 << 20, help="larger bodies get 413")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.set_defaults(enable_prefix_caching=True)
+
+
+def engine_options(args) -> dict:
+    """The serve-only engine options; also resolves the positional model and checks the key file early
+    (before the model loads), raising ValueError with what to fix."""
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    args.api_keys = [k for k in args.api_key if k]
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file) as f:
+                args.api_keys += [line.strip() for line in f if line.strip() and not line.startswith("#")]
+        except OSError as exc:
+            raise ValueError(f"cannot read --api-key-file: {exc}") from exc
+        if not args.api_keys:
+            raise ValueError(f"--api-key-file {args.api_key_file} holds no key")
+    for name in ("max_waiting_requests", "max_request_body_bytes"):
+        if getattr(args, name) < (1 if name == "max_request_body_bytes" else 0):
+            raise ValueError(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
+    return dict(enable_prefix_caching=args.enable_prefix_caching and args.kv_cache == "paged",  # needs blocks
+                enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
+                long_prefill_token_threshold=args.long_prefill_token_threshold)
+
+
+def run_server(llm, args) -> int:
+    from .api import create_app
+    app = create_app(llm, args.served_model_name, api_keys=args.api_keys,
+                     max_waiting_requests=args.max_waiting_requests, max_request_body_bytes=args.max_request_body_bytes)
+    return serve(app, args.host, args.port, args.log_level)
