@@ -1,4 +1,4 @@
-"""``python -m labsupport bench {compare,roofline,profile}``: the measuring subcommands.
+"""``python -m labsupport bench {compare,roofline,profile,serve}``: the measuring subcommands.
 
 ``python -m labsupport bench --workload ...`` (flat flags, chapters 04-05) stays as it was:
 ``__main__`` sends argv here only when the word after ``bench`` is one of ``SUBCOMMANDS``, so
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-SUBCOMMANDS = ("compare", "roofline", "profile")
+SUBCOMMANDS = ("compare", "roofline", "profile", "serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--json", metavar="FILE", default=None, help="write the step breakdown")
     for p in (cmp, roof, prof):
         p.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2-135M-Instruct)")
+    from . import serve_cli  # its own --model: the served name, not a folder
+    serve_cli.add_arguments(sub.add_parser("serve", help="load-test any OpenAI-compatible server over HTTP "
+                                                         "(ours or vllm serve), like vllm bench serve"))
     return parser
 
 
@@ -35,6 +38,9 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from .roofline import warn_if_busy
     try:
+        if args.subcommand == "serve":  # the server under test shares the machine: no busy check
+            from .serve_cli import main as serve_main
+            return serve_main(args)
         if args.subcommand != "compare":  # compare checks, and records it in its JSON
             warn_if_busy()
         if args.subcommand == "compare":
