@@ -1,0 +1,114 @@
+"""The chapter 06 dashboard: it reads a real server's /metrics while a load runs, stops cleanly,
+and its histogram arithmetic is Prometheus'."""
+import math
+import threading
+
+import pytest
+
+from labsupport.bench.serve_bench import benchmark
+from labsupport.bench.serve_datasets import sample_requests
+from labsupport.serve.api import create_app
+from labsupport.serve.background import BackgroundServer, free_port
+from labsupport.serve.metrics import parse_metrics
+from labsupport.viz.dashboard import (ServerDashboard, bucket_counts, histogram_buckets, histogram_quantile,
+                                      svg_bars, svg_lines)
+
+N, IN, OUT = 6, 16, 5
+
+EXPOSITION = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+# TYPE vllm:generation_tokens counter
+vllm:generation_tokens_total{engine="0",model_name="m"} 40.0
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="m"} 1.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.5",model_name="m"} 3.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="1.0",model_name="m"} 4.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 4.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 4.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 1.6
+"""
+
+
+def test_histogram_arithmetic_is_prometheus():
+    values = parse_metrics(EXPOSITION)
+    cumulative = histogram_buckets(values, "vllm:time_to_first_token_seconds")
+    assert cumulative == [(0.1, 1.0), (0.5, 3.0), (1.0, 4.0), (math.inf, 4.0)]
+    counts = bucket_counts(cumulative)
+    assert counts == [(0.1, 1.0), (0.5, 2.0), (1.0, 1.0), (math.inf, 0.0)]
+    # histogram_quantile(0.5): rank 2 falls in (0.1, 0.5], halfway through its 2 observations
+    assert histogram_quantile(0.5, counts) == pytest.approx(0.3)
+    assert histogram_quantile(1.0, counts) == pytest.approx(1.0)
+    assert math.isnan(histogram_quantile(0.5, bucket_counts(cumulative, cumulative)))  # nothing new since
+    assert histogram_quantile(0.99, [(0.1, 0.0), (math.inf, 5.0)]) == 0.1  # the highest finite bound
+
+
+class Canned(ServerDashboard):
+    """A dashboard whose scrapes are canned expositions (vLLM's names), one per poll."""
+
+    def __init__(self, texts, **kw):
+        super().__init__("http://unused:1/v1", **kw)
+        self.texts = iter(texts)
+
+    def scrape(self):
+        return parse_metrics(next(self.texts))
+
+
+def test_vllm_names_are_read_and_histograms_count_from_the_first_scrape():
+    later = (EXPOSITION.replace(" 40.0", " 100.0").replace('le="1.0",model_name="m"} 4.0', 'le="1.0",model_name="m"} 6.0')
+             .replace('le="+Inf",model_name="m"} 4.0', 'le="+Inf",model_name="m"} 6.0'))
+    dash = Canned([EXPOSITION, later])
+    assert dash.url == "http://unused:1"
+    assert dash.poll_once()["running"] == 3.0 and dash.prefix == "vllm:"
+    dash.samples[0]["t"] = 0.0
+    dash.poll_once()
+    dash.samples[1]["t"] = 2.0
+    s = dash.summary()
+    assert s["max_running"] == 3 and s["max_waiting"] == 2 and s["max_kv_usage"] == 0.25
+    assert s["generation_tokens"] == 60 and s["tokens_per_s"] == 30
+    assert dash.histogram("time_to_first_token_seconds") == [(0.1, 0.0), (0.5, 0.0), (1.0, 2.0), (math.inf, 0.0)]
+    assert s["ttft_count"] == 2 and s["p50_ttft_s"] == pytest.approx(0.75)
+
+
+def test_svg_panels_draw_lines_bars_and_an_empty_state():
+    page = svg_lines("requests", [("running", "#1f77b4", [0, 1, 2], [1, 3, 2]),
+                                  ("waiting", "#ff7f0e", [0, 1, 2], [0, 0, 1])], step=True)
+    assert page.count("<polyline") == 2 and ">running<" in page and ">waiting<" in page
+    bars = svg_bars("TTFT", [(0.1, 0.0), (0.5, 2.0), (1.0, 1.0), (math.inf, 0.0)], "#d62728")
+    assert bars.count("<rect") == 4 and "≤ 500ms: 2" in bars
+    assert "no observations yet" in svg_bars("ITL", [], "#17becf")
+
+
+def test_dashboard_watches_a_real_load_and_stops_cleanly(llm):
+    requests = sample_requests(llm.tokenizer, "random", N, input_len=IN, output_len=OUT, seed=0)
+    with BackgroundServer(create_app(llm, "smol")) as server:
+        with ServerDashboard(server.url + "/v1", interval_s=0.1) as dash:
+            view = dash.widget
+            assert dash.running
+            run = benchmark(server.url, "smol", requests, rate=float("inf"), progress=False, test_request=False)
+        assert not dash.running and not any(t.name == "dashboard-poller" for t in threading.enumerate())
+    assert run.summary["completed"] == N
+    s = dash.summary()
+    assert s["samples"] >= 2 and dash.prefix == "labsupport:"
+    assert s["requests"] == N and s["ttft_count"] == N and s["generation_tokens"] == N * OUT
+    assert s["itl_count"] == N * (OUT - 1)
+    assert 1 <= s["max_running"] <= N
+    html = view.value  # the widget holds the last drawing, made after the last scrape
+    assert "stopped" in html and html.count("<svg") == 5 and "since the dashboard started" in html
+    fig = dash.plot()
+    assert len(fig.axes) == 6 and "TTFT" in fig.axes[3].get_title()
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+
+
+def test_poller_gives_up_when_the_server_is_gone():
+    dash = ServerDashboard(f"http://127.0.0.1:{free_port()}", interval_s=0.01, max_failures=3).start()
+    dash._thread.join(10)
+    assert not dash.running and dash.samples == []
+    assert dash.last_error.startswith("gave up after 3 failed scrapes")
+    dash.stop()  # still safe: one more failed scrape, nothing drawn, no error
+    assert "0 scrapes" in dash.render_html()

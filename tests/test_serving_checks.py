@@ -1,0 +1,167 @@
+"""The chapter 06 check (``check_goodput``) passes the notebook's reference and fails planted wrong ones."""
+import pytest
+
+from labsupport import checks
+from labsupport.bench.serve_bench import benchmark
+from labsupport.bench.serve_datasets import sample_requests
+from labsupport.serve.api import create_app
+from labsupport.serve.background import BackgroundServer
+
+from notebook_tools import chapter, exercise_solutions
+
+MEASURED = {"ttft": lambda r: r.ttft, "tpot": lambda r: r.tpot, "e2el": lambda r: r.latency}
+
+
+@pytest.fixture(scope="module")
+def reference_goodput():
+    return exercise_solutions(chapter("06"))["goodput"]
+
+
+@pytest.fixture(scope="module")
+def real_runs(llm):
+    """Two small real runs through the server and the load generator, as the notebook makes them."""
+    requests = sample_requests(llm.tokenizer, "random", 6, input_len=16, output_len=6, seed=0)
+    with BackgroundServer(create_app(llm, "smol")) as server:
+        runs = [benchmark(server.url, "smol", requests, rate=rate, progress=False) for rate in (8.0, float("inf"))]
+    assert all(run.summary["completed"] == 6 for run in runs)
+    return runs
+
+
+def test_reference_goodput_passes_on_hand_made_and_real_results(reference_goodput, real_runs, capsys):
+    checks.check_goodput(reference_goodput, real_runs)
+    assert "and on 2 real runs" in capsys.readouterr().out
+
+
+def test_real_slos_split_the_real_results(real_runs):
+    from labsupport.checks.serving import real_slos
+    slos = real_slos(real_runs[0].requests)
+    assert {k for slo in slos for k in slo} == {"ttft", "tpot", "e2el"}
+    for slo in slos[:3]:  # each single limit lies between measured values: some requests pass, some fail
+        (key, limit), = slo.items()
+        values = [1000 * MEASURED[key](r) for r in real_runs[0].requests]
+        assert min(values) < limit < max(values) and limit not in values
+
+
+def test_failed_requests_in_real_results_are_compared_too(reference_goodput, real_runs):
+    import copy
+    run = copy.deepcopy(real_runs[1])
+    run.requests[0].success, run.requests[0].error = False, "HTTP 500: planted"
+    checks.check_goodput(reference_goodput, [run])
+    with pytest.raises(checks.CheckFailed, match="failed request never counts"):
+        checks.check_goodput(counts_failed_requests, [run])
+
+
+# ---- planted wrong implementations: each must fail, with a message naming the case
+
+def _good(r, slo, test=lambda value, limit: value * 1000 <= limit):
+    return all(test(MEASURED[k](r), limit) for k, limit in slo.items())
+
+
+def _known(slo):
+    if set(slo) - set(MEASURED):
+        raise ValueError(f"unknown SLO metrics {sorted(set(slo) - set(MEASURED))}")
+
+
+def counts_failed_requests(results, slo, duration_s):
+    _known(slo)
+    return sum(_good(r, slo) for r in results) / duration_s if duration_s > 0 else 0.0
+
+
+def any_slo_is_enough(results, slo, duration_s):
+    _known(slo)
+    good = [r for r in results if r.success and (not slo or any(MEASURED[k](r) * 1000 <= v for k, v in slo.items()))]
+    return len(good) / duration_s if duration_s > 0 else 0.0
+
+
+def compares_seconds_with_milliseconds(results, slo, duration_s):
+    _known(slo)
+    good = [r for r in results if r.success and _good(r, slo, lambda value, limit: value <= limit)]
+    return len(good) / duration_s if duration_s > 0 else 0.0
+
+
+def divides_by_zero_on_one_token(results, slo, duration_s):
+    _known(slo)
+    tpot = {"tpot": lambda r: (r.latency - r.ttft) / (r.output_tokens - 1)}
+    good = [r for r in results if r.success
+            and all({**MEASURED, **tpot}[k](r) * 1000 <= v for k, v in slo.items())]
+    return len(good) / duration_s if duration_s > 0 else 0.0
+
+
+def needs_every_slo_key(results, slo, duration_s):
+    _known(slo)
+    good = [r for r in results if r.success and all(MEASURED[k](r) * 1000 <= slo[k] for k in MEASURED)]
+    return len(good) / duration_s if duration_s > 0 else 0.0
+
+
+def missing_key_means_zero(results, slo, duration_s):
+    _known(slo)
+    good = [r for r in results if r.success and all(MEASURED[k](r) * 1000 <= slo.get(k, 0) for k in MEASURED)]
+    return len(good) / duration_s if duration_s > 0 else 0.0
+
+
+def strict_less_than(results, slo, duration_s):
+    _known(slo)
+    good = [r for r in results if r.success and _good(r, slo, lambda value, limit: value * 1000 < limit)]
+    return len(good) / duration_s if duration_s > 0 else 0.0
+
+
+def returns_a_count(results, slo, duration_s):
+    _known(slo)
+    return float(len([r for r in results if r.success and _good(r, slo)]))
+
+
+def returns_a_fraction(results, slo, duration_s):
+    _known(slo)
+    good = [r for r in results if r.success and _good(r, slo)]
+    return len(good) / len(results) if results else 0.0
+
+
+def zero_duration_raises(results, slo, duration_s):
+    _known(slo)
+    return len([r for r in results if r.success and _good(r, slo)]) / duration_s
+
+
+def ignores_unknown_keys(results, slo, duration_s):
+    slo = {k: v for k, v in slo.items() if k in MEASURED}
+    good = [r for r in results if r.success and _good(r, slo)]
+    return len(good) / duration_s if duration_s > 0 else 0.0
+
+
+def uses_total_latency_for_ttft(results, slo, duration_s):
+    _known(slo)
+    wrong = {**MEASURED, "ttft": lambda r: r.latency}
+    good = [r for r in results if r.success and all(wrong[k](r) * 1000 <= v for k, v in slo.items())]
+    return len(good) / duration_s if duration_s > 0 else 0.0
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (counts_failed_requests, "failed request never counts.*check r.success"),
+    (any_slo_is_enough, "every SLO given.*met any one SLO: it must meet all"),
+    (compares_seconds_with_milliseconds, "milliseconds.*compared seconds with milliseconds"),
+    (divides_by_zero_on_one_token, "ZeroDivisionError"),
+    (needs_every_slo_key, "KeyError: 'e2el': a key absent from slo is no constraint"),
+    (missing_key_means_zero, "got 0.0"),
+    (strict_less_than, "exactly at the limit"),
+    (returns_a_count, "returned a count"),
+    (returns_a_fraction, "returned a fraction"),
+    (zero_duration_raises, "ZeroDivisionError"),
+    (ignores_unknown_keys, "must raise ValueError"),
+    (uses_total_latency_for_ttft, "got"),
+])
+def test_planted_wrong_goodput_fails(wrong, message):
+    with pytest.raises(checks.CheckFailed, match=message):
+        checks.check_goodput(wrong)
+
+
+def test_a_wrong_goodput_fails_on_real_results_alone(real_runs):
+    """The real runs are compared too: a function right on every hand-made case (which have no
+    inter-token gaps) but wrong on streamed results (it adds the gaps to TTFT) fails there."""
+    def adds_the_gaps_to_ttft(results, slo, duration_s):
+        _known(slo)
+        wrong = {**MEASURED, "ttft": lambda r: r.ttft + sum(r.itl)}
+        good = [r for r in results if r.success and all(wrong[k](r) * 1000 <= v for k, v in slo.items())]
+        return len(good) / duration_s if duration_s > 0 else 0.0
+
+    checks.check_goodput(adds_the_gaps_to_ttft)  # hand-made cases only: passes
+    with pytest.raises(checks.CheckFailed, match="real run"):
+        checks.check_goodput(adds_the_gaps_to_ttft, real_runs)
