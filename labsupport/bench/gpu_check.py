@@ -233,12 +233,10 @@ def check_w1(device, quick: bool, dtype) -> dict:
     prompts = [[rng.randrange(vocab) for _ in range(n_in)] for _ in range(n)]
     out = {"model": spec, "requests": n, "prompt_tokens": n_in, "max_tokens": n_out,
            "engine_default_decode_path": llm.engine.backend.decode_attention.__name__}
-    tokens, graphs = {}, llm.engine.runner.graphs
-    paths = [(("triton+graphs" if graphs else "triton"), decode_paths(device)["triton"], graphs)] \
-        if "triton" in decode_paths(device) else []
-    if graphs is not None:
-        paths.append(("triton", decode_paths(device)["triton"], None))
-    paths.append(("torch", decode_paths(device)["torch"], None))
+    tokens, graphs, kernels = {}, llm.engine.runner.graphs, decode_paths(device)
+    paths = [("triton+graphs", kernels["triton"], graphs)] if graphs is not None else []
+    paths += [("triton", kernels["triton"], None)] if "triton" in kernels else []
+    paths.append(("torch", kernels["torch"], None))
     for path, fn, use_graphs in paths:
         llm.engine.backend.decode_attention, llm.engine.runner.graphs = fn, use_graphs
         # warm-up at the full batch: kernels compiled, and the batch's CUDA graph captured (vLLM captures at start)

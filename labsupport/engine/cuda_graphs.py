@@ -28,7 +28,7 @@ import torch
 
 from .attention import AttentionBatch
 from .block_pool import slot_mapping
-from .paged_attention import DecodeRows, PagedAttention
+from .paged_attention import DecodeRows, PagedAttention, paged_decode_attention
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -100,7 +100,9 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         bs = self.backend.block_size
         lens = self.context_lens[:size]
-        padding = torch.arange(self.max_blocks * bs, device=self.device)[None, :] >= lens[:, None]
+        padding = None  # the Triton kernel stops at each row's length; only the PyTorch path masks
+        if self.decode_fn is paged_decode_attention:
+            padding = torch.arange(self.max_blocks * bs, device=self.device)[None, :] >= lens[:, None]
         rows = DecodeRows(token_index=torch.arange(size, device=self.device), block_tables=self.tables[:size],
                           context_lens=lens, padding=padding)
         meta = AttentionBatch([1] * size, [0] * size)  # lengths live in the tensors above, not in Python

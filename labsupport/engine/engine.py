@@ -40,7 +40,7 @@ class LLMEngine:
         self.config = dataclasses.replace(config, max_model_len=min(config.max_model_len or min(limit, 8192), limit))
         self.kv, self.backend = self._make_kv_and_backend()
         self.runner = ModelRunner(self.model, self.backend, self.device)
-        if self._use_cuda_graphs():
+        if getattr(self.backend, "scratch_slot", None) is not None:  # made for CUDA graphs (_use_cuda_graphs)
             self.runner.graphs = DecodeGraphs(self.model, self.backend, self.config.max_num_seqs, self.max_model_len)
         self.scheduler = Scheduler(self.config, self.kv, self._eos_token_ids())
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
