@@ -14,6 +14,8 @@ dict ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``; a dict may carry ``"
 """
 from __future__ import annotations
 
+import time
+
 from tqdm.auto import tqdm
 
 from .engine.config import EngineConfig
@@ -61,7 +63,10 @@ class LLM:
             with tqdm(total=len(prompts), desc="Generating", unit="req", disable=not use_tqdm) as bar:
                 bar.update(len(prompts) - len(mine))
                 while not all(r.is_finished for r in mine):
-                    bar.update(sum(r.is_finished and r.request_id in ids for r in self.engine.step()))
+                    got = self.engine.step()
+                    bar.update(sum(r.is_finished and r.request_id in ids for r in got))
+                    if not got and self.engine.has_pending_transfers():
+                        time.sleep(0.001)  # KV on its way from another engine (chapter 07): let it land
         except BaseException:
             self.engine.abort_requests([r for r in requests if r is not None])
             raise

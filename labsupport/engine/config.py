@@ -50,6 +50,7 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0  # with chunked prefill: cap on one request's chunk per step (0: none)
     scheduling_policy: str = "continuous"  # or "static": the baseline of chapter 04
     enforce_eager: bool = False  # GPU: True launches every kernel from Python (no CUDA graphs for decode)
+    kv_transfer_config: dict | None = None  # chapter 07: a KV connector, as vLLM's --kv-transfer-config
 
     def __post_init__(self):
         if self.kv_cache not in ("paged", "contiguous", "none"):
@@ -78,6 +79,9 @@ class EngineConfig:
                              "a chunk's keys and values are gone before the next chunk needs them")
         if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
             raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill=True")
+        if self.kv_transfer_config is not None and (not isinstance(self.kv_transfer_config, dict)
+                                                    or self.kv_cache != "paged"):
+            raise ValueError("kv_transfer_config must be a dict (vLLM's --kv-transfer-config) and needs kv_cache='paged'")
         if self.cpu_offload_blocks and not self.enable_prefix_caching:
             raise ValueError("cpu_offload_blocks needs enable_prefix_caching=True: the CPU tier holds cached blocks")
 

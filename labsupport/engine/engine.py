@@ -43,6 +43,11 @@ class LLMEngine:
         if getattr(self.backend, "scratch_slot", None) is not None:  # made for CUDA graphs (_use_cuda_graphs)
             self.runner.graphs = DecodeGraphs(self.model, self.backend, self.config.max_num_seqs, self.max_model_len)
         self.scheduler = Scheduler(self.config, self.kv, self._eos_token_ids())
+        self.connector = None  # chapter 07: KV to and from other engines (kv_transfer_config)
+        if self.config.kv_transfer_config is not None:
+            from ..pd.connector import make_connector
+            self.connector = self.scheduler.connector = self.backend.connector = make_connector(
+                self.config.kv_transfer_config, self.backend)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
         self.last_step: SchedulerOutput | None = None
@@ -135,6 +140,9 @@ class LLMEngine:
                        "block_allocator": (self.kv, "allocator"),  # ch. 02: an allocator instance
                        "chain_hashes": (self.kv, "chain_hashes"),  # ch. 03: block hashes
                        "longest_prefix": (self.kv, "longest_prefix")}  # ch. 03: the cached run
+        if self.connector is not None:
+            points |= {"pack_blocks": (self.connector.server, "pack_blocks"),  # ch. 07: blocks -> the wire
+                       "unpack_blocks": (self.connector, "unpack_blocks")}  # ch. 07: the wire -> other blocks
         return points
 
     def plug(self, **pieces) -> dict:
@@ -217,6 +225,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_pending_transfers(self) -> bool:
+        """KV still on its way to or from another engine: ``step()`` must keep being called to finish it."""
+        return self.scheduler.has_pending_transfers()
+
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[Request]:
@@ -226,6 +238,8 @@ class LLMEngine:
         out = None
         try:
             out = self.scheduler.schedule()                               # policy: who runs, how many tokens
+            if self.connector is not None:                                # KV to fetch for requests parked now
+                self.connector.start_load_kv(self.connector.build_connector_meta(out))
             if not out.requests:
                 return []
             sampled = self.runner.execute(out)                            # mechanism: one forward pass
@@ -288,8 +302,10 @@ class LLMEngine:
             return
         self.is_shut_down = True
         try:
-            self.abort_requests([*self.scheduler.running, *self.scheduler.waiting])
+            self.abort_requests([*self.scheduler.running, *self.scheduler.waiting, *self.scheduler.loading.values()])
         finally:  # even if a plugged piece raised while freeing: the memory goes
+            if self.connector is not None:
+                self.connector.close()  # no more pulls of this pool
             if isinstance(self.backend, PagedAttention):
                 self.backend.k_pool, self.backend.v_pool = [], []
             if isinstance(self.kv, ContiguousKVManager):
@@ -315,8 +331,10 @@ class LLMEngine:
                              list(req.output_token_ids), req.finish_reason, req.metrics,
                              logprobs=None if req.params.logprobs is None else list(req.logprobs),
                              prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
-                             num_cached_tokens=req.num_cached_tokens)
+                             num_cached_tokens=req.num_cached_tokens, kv_transfer_params=req.kv_transfer_params)
 
     def stats(self) -> dict:
-        return {**self.kv.stats(), **self.scheduler.stats(), "num_steps": self.num_steps}
+        pd = {} if self.connector is None else {**self.connector.counters, "kv_requests_held": len(self.scheduler.held),
+                                                "kv_requests_loading": len(self.scheduler.loading)}
+        return {**self.kv.stats(), **self.scheduler.stats(), "num_steps": self.num_steps, **pd}
 

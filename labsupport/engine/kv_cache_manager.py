@@ -153,14 +153,16 @@ class KVCacheManager(KVManager):
                 self.cpu_tier.save(*evicted, block)
         return block
 
-    def allocate(self, req, num_new_tokens):
+    def allocate(self, req, num_new_tokens, offer: bool = True):
         missing = blocks_needed(req.num_computed_tokens + num_new_tokens, self.block_size) - len(req.block_table)
         for _ in range(missing):
             req.block_table.append(self._new_block())
         self.tables[req.request_id] = req
         # Offer the full blocks this step computes now, not after the step: a request admitted later in
         # the same step shares them (the step writes every new token's K/V before any attention reads).
-        self.cache_full_blocks(req, req.num_computed_tokens + num_new_tokens)
+        # Not for blocks another engine's KV will fill (chapter 07): they hold nothing yet.
+        if offer:
+            self.cache_full_blocks(req, req.num_computed_tokens + num_new_tokens)
 
     def release(self, req):
         if self.prefix_cache is not None:  # blocks offered for a step that failed never got their KV

@@ -95,6 +95,7 @@ class PagedAttention(AttentionBackend):
                 self.decode_attention = triton_attention.triton_decode_attention
         # one block past the allocator's: CUDA graphs' padding rows write there (cuda_graphs.py)
         self.scratch_slot = num_blocks * block_size if scratch_block else None
+        self.connector = None  # chapter 07: a KV connector's per-layer hooks run around each layer's attention
         slots = (num_blocks + scratch_block) * block_size
         self.k_pool = [torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_pool = [torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -134,8 +135,12 @@ class PagedAttention(AttentionBackend):
     def attend(self, layer, q, k, v, batch):
         x = batch.extra
         k_pool, v_pool = self.k_pool[layer], self.v_pool[layer]
+        if self.connector is not None:
+            self.connector.wait_for_layer_load(layer)  # a layer-wise loader: this layer's KV must be in
         k_pool.index_copy_(1, x["slot_mapping"], k.transpose(0, 1))
         v_pool.index_copy_(1, x["slot_mapping"], v.transpose(0, 1))
+        if self.connector is not None:
+            self.connector.save_kv_layer(layer, k_pool, v_pool, batch)  # a push connector sends it now
         rows = x["decode"]
         if rows is not None and not x["prefill"]:  # the common step: decodes only, already in order
             return self.decode_attention(q, k_pool, v_pool, rows, self.block_size)

@@ -49,6 +49,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # these tokens end the request too (finish reason "stop")
     logprobs: int | None = None  # per output token: its logprob and the top-k's (k in [0, 20]); None: none
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    kv_transfer_params: dict | None = None  # PD (chapter 07): do_remote_decode / do_remote_prefill and where
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens <= 0:
@@ -89,6 +90,8 @@ class SamplingParams:
                                  f"most likely tokens to return besides the chosen one), got {k!r}")
             setattr(self, name, None if k is None else int(k))
         self.top_k, self.min_tokens, self.stop_token_ids = int(self.top_k), int(self.min_tokens), [int(t) for t in ids]
+        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
+            raise ValueError(f"kv_transfer_params must be a dict or None, got {self.kv_transfer_params!r}")
 
     @property
     def greedy(self) -> bool:
@@ -98,6 +101,7 @@ class SamplingParams:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # PD: its prompt's KV is on its way from another engine
     FINISHED = "finished"
 
 
@@ -169,6 +173,9 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens reused from the prefix cache (or CPU tier) when first scheduled
         # the tokens min_tokens keeps from being drawn: stop_token_ids, and EOS (added by the engine)
         self.all_stop_token_ids: set[int] = set(params.stop_token_ids or ())
+        self.kv_transfer_params: dict | None = None  # PD: where the next engine fetches this request's KV
+        self.kv_load_done = False  # PD: its remote KV arrived (or failed and is recomputed): load no more
+        self.num_external_tokens = 0  # PD: prompt tokens whose KV another engine computed (part of num_cached_tokens)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -207,7 +214,8 @@ class RequestOutput:
     cached: bool = False  # served from the result cache, without running the model
     logprobs: list[dict[int, float]] | None = None  # per token {id: logprob}: the chosen one and the top-k
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token; the first is None
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (or another engine)
+    kv_transfer_params: dict | None = None  # PD: a prefill worker's answer says where its KV waits
 
     @property
     def finished(self) -> bool:

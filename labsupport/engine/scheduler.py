@@ -89,17 +89,28 @@ class Scheduler:
         # the exercises' plug points (set them through LLMEngine.plugged): a whole policy, a chunking rule
         self.schedule_fn = None
         self.chunk_rule = chunk_rule
+        # chapter 07: a KV connector (labsupport.pd.connector), the requests whose prompt KV is on its way
+        # (they hold blocks, not a batch slot) and the finished ones whose blocks wait for a remote pull
+        self.connector = None
+        self.loading: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}
 
     def add_request(self, req: Request):
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or any(not r.is_finished for r in self.loading.values()))
+
+    def has_pending_transfers(self) -> bool:
+        """KV on its way in or out: the engine must keep polling the connector even with nothing to run."""
+        return bool(self.loading or self.held)
 
     # ------------------------------------------------------------------ policy
 
     def schedule(self) -> SchedulerOutput:
         self.preempted = []
+        if self.connector is not None:
+            self.poll_connector()
         out = self.schedule_fn(self) if self.schedule_fn is not None else self._schedule()
         if not isinstance(out, SchedulerOutput):
             raise TypeError(f"a schedule function must return a SchedulerOutput, not {type(out).__name__}")
@@ -130,7 +141,17 @@ class Scheduler:
         # 2. then the queue, in arrival order, while a slot, the budget and the blocks allow
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.block_table:                         # its KV came from another engine (chapter 07)
+                n = self.num_new_tokens(req, budget, out)
+                if n == 0 or not self.kv.can_allocate(req, n):
+                    break
+                self.admit(req)
+                self.add_to_batch(out, req, n)
+                budget -= n
+                continue
             hit = self.kv.find_cached_prefix(req)       # what the prefix cache holds already (chapter 03)
+            if self.connector is not None and self.start_remote_load(req, hit):
+                continue                                # it waits for its KV without taking a slot
             n = self.num_new_tokens(req, budget, out, skip=hit.num_tokens)
             if n == 0 or not self.kv.can_allocate(req, n, hit):
                 break                                   # FCFS: nobody overtakes the head of the queue
@@ -165,9 +186,11 @@ class Scheduler:
         out.is_prefill.append(not (num_new_tokens == 1 and req.num_computed_tokens == req.num_tokens - 1))
 
     def admit(self, req: Request, hit: PrefixHit | None = None):
-        """Move ``req`` from the queue to the running list, reusing the prefix ``hit`` found for it."""
+        """Move ``req`` from the queue to the running list, reusing the prefix ``hit`` found for it
+        (without a hit, a request whose KV arrived from another engine keeps its computed tokens)."""
         self.waiting.remove(req)  # the head, in FCFS order: found at once
-        req.num_computed_tokens = self.kv.use_cached_prefix(req, hit) if hit is not None else 0
+        if hit is not None or not req.block_table:
+            req.num_computed_tokens = self.kv.use_cached_prefix(req, hit) if hit is not None else 0
         if req.metrics.first_scheduled_time is None:  # usage reports the first admission's hit, not a re-admission's
             req.num_cached_tokens = req.num_computed_tokens
         req.status = RequestStatus.RUNNING
@@ -240,16 +263,72 @@ class Scheduler:
         return None
 
     def finish(self, req: Request, reason: str):
-        """The request leaves (done, stopped by a stop string, aborted, failed): its memory is freed now."""
+        """The request leaves (done, stopped by a stop string, aborted, failed): its memory is freed now,
+        unless the KV connector keeps it for another engine to pull, or a load is still writing into it."""
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
-        else:
+        elif req.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:
             return  # finished already
+        loading = req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
         req.metrics.finished_time = time.perf_counter()
+        if loading:
+            return  # its blocks go when the load ends (poll_connector): the load may still be writing them
+        if self.connector is not None:
+            delay_free, req.kv_transfer_params = self.connector.request_finished(req, list(req.block_table))
+            if delay_free:
+                self.held[req.request_id] = req
+                return
         self.kv.release(req)
+
+    # ------------------------------------------------------------------ KV from and to other engines (ch. 07)
+
+    def start_remote_load(self, req: Request, hit: PrefixHit) -> bool:
+        """Ask the connector whether ``req``'s prompt KV can come from elsewhere; if so, reserve the blocks,
+        tell the connector which, and park the request until it lands. False: compute it here."""
+        ext, load_async = self.connector.get_num_new_matched_tokens(req, hit.num_tokens)
+        if ext <= 0 or not load_async:
+            return False
+        if not self.kv.can_allocate(req, ext, hit):
+            return False  # no room now: it is computed here when its turn comes (or waits like any request)
+        self.waiting.remove(req)
+        req.num_computed_tokens = self.kv.use_cached_prefix(req, hit)
+        self.kv.allocate(req, ext, offer=False)  # not offered to the prefix cache before the KV is in
+        self.connector.update_state_after_alloc(req, list(req.block_table), ext)
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.loading[req.request_id] = req
+        return True
+
+    def poll_connector(self):
+        """Free blocks that were pulled (or whose lease expired); requests whose KV landed go back to the
+        head of the queue with all but the last prompt token computed (its logits give the next token);
+        a failed load follows ``kv_load_failure_policy``: compute the prompt here, or fail the request."""
+        done_sending, done_recving = self.connector.get_finished()
+        for rid in done_sending:
+            req = self.held.pop(rid, None)
+            if req is not None:
+                self.kv.release(req)
+        failed = self.connector.get_failed_loads()
+        for rid in [*done_recving, *failed]:
+            req = self.loading.pop(rid, None)
+            if req is None:
+                continue
+            req.kv_load_done = True
+            if req.is_finished:  # aborted while loading: the load has ended, the blocks may go
+                self.kv.release(req)
+                continue
+            if rid in failed and self.connector.failure_policy == "fail":
+                req.status = RequestStatus.WAITING
+                self.waiting.appendleft(req)
+                self.finish(req, "error")
+                continue
+            if rid not in failed:
+                req.num_external_tokens = len(req.prompt_token_ids) - 1 - req.num_computed_tokens
+                req.num_computed_tokens = len(req.prompt_token_ids) - 1
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
 
     def stats(self) -> dict:
         return {"num_preemptions": self.num_preemptions, "num_requests_running": len(self.running),

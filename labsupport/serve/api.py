@@ -118,6 +118,17 @@ def create_app(llm, served_model_name: str | None = None, *, api_keys=(), max_wa
         body, content_type = engine.metrics.render()
         return Response(body, media_type=content_type)
 
+    @app.get("/pd/timeline")
+    async def pd_timeline(since: float = 0.0):
+        """This worker's recent steps and KV transfers (wall-clock seconds after ``since``): chapter 07's
+        timeline widget draws prefill and decode lanes from several workers' answers."""
+        connector = llm.engine.connector
+        steps = [s for s in list(engine.step_log) if s["end"] > since]
+        records = [] if connector is None else [vars(r) for r in list(connector.records) if r.end > since]
+        role = getattr(connector, "role", None)
+        return {"role": role, "engine_id": getattr(connector, "engine_id", None), "steps": steps,
+                "transfers": records}
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         check_model(body.model)

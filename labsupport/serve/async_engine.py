@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -124,8 +125,12 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._live: dict[str, _Live] = {}  # loop thread only
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        if getattr(self.engine, "connector", None) is not None:
+            self.engine.connector.wake = self._wake.set  # a finished KV transfer wakes the loop
         self.dead_reason: BaseException | None = None
         self.num_steps = 0  # steps this loop ran
+        self.step_log: deque = deque(maxlen=4096)  # recent steps in wall-clock time, for timelines (step_record)
+        self._wall = time.time() - time.perf_counter()  # perf_counter -> time.time(): one clock across processes
         self.peak_batch_size = 0  # the most requests one step ran: > 1 means clients shared steps
 
     # ------------------------------------------------------------------ the event loop's side
@@ -208,6 +213,9 @@ class AsyncEngine:
                     break
                 if self._live:
                     self._step()
+                elif self.engine.has_pending_transfers():  # held blocks wait for a pull or their lease
+                    self._step()
+                    self._wake.wait(0.05)
                 else:
                     self._wake.wait()
         except BaseException as exc:  # a bug here, or an exit inside a step: nothing can be served
@@ -245,7 +253,10 @@ class AsyncEngine:
         if ran:
             self.num_steps += 1
             self.peak_batch_size = max(self.peak_batch_size, len(self.engine.last_step.requests))
+            self.step_log.append(self.step_record(self.engine.last_step))
             self._hook("on_step", self.engine, got, self.engine.last_step)
+        else:
+            self._hook("on_step", self.engine, [], None)  # nothing ran, but blocks may have come back (aborts, PD)
         moved = {r.request_id for r in got}
         for rid, live in list(self._live.items()):
             if live.req.is_finished:
@@ -257,6 +268,12 @@ class AsyncEngine:
                 _deliver(live.loop, live.queue, live.index, dataclasses.replace(out, text=live.req.streamable_text()))
         if not ran and self._live:
             self._wake.wait(0.01)  # nothing could be scheduled now: do not spin
+
+    def step_record(self, out) -> dict:
+        """One step as the PD timeline draws it: when (wall clock), which requests, prefill tokens or decodes."""
+        prefill = {r.request_id: n for r, n, p in zip(out.requests, out.num_new_tokens, out.is_prefill) if p}
+        return {"start": out.start + self._wall, "end": out.end + self._wall, "prefill": prefill,
+                "decode": [r.request_id for r, p in zip(out.requests, out.is_prefill) if not p]}
 
     def _final(self, req: Request):
         if req.finish_reason in ("stop", "length"):

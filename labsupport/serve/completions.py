@@ -60,7 +60,8 @@ def sampling_params(body, max_tokens: int, vocab_size: int, seed_offset: int = 0
     if seed is not None and seed_offset and -INT64 <= seed < INT64:
         seed = (seed + seed_offset + INT64) % (2 * INT64) - INT64  # wraps within int64, as a seed must stay
     extras = {"top_k": min(body.top_k, vocab_size) if body.top_k > 0 else None, "min_tokens": body.min_tokens or None,
-              "stop_token_ids": body.stop_token_ids, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
+              "stop_token_ids": body.stop_token_ids, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+              "kv_transfer_params": body.kv_transfer_params}
     extras = {k: v for k, v in extras.items() if v is not None}  # only what was asked for
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=seed,
@@ -93,6 +94,10 @@ class Completion:
         self.num_top = body.num_logprobs()
         self.echo = not self.chat and body.echo
         prompts = [[m.as_dict() for m in body.messages]] if self.chat else body.prompts()
+        if body.kv_transfer_params is not None and (len(prompts) * body.n != 1 or frontend.engine.connector is None):
+            raise APIError(400, "kv_transfer_params needs one prompt with n=1, on a server started with --role "
+                                "(a KV connector)" if frontend.engine.connector is None else
+                                "kv_transfer_params needs one prompt with n=1", param="kv_transfer_params")
         if len(prompts) * body.n > MAX_CHOICES:
             raise APIError(400, f"{len(prompts)} prompts x n={body.n} choices is too many for one request "
                                 f"(max {MAX_CHOICES}): send several requests")
@@ -159,8 +164,11 @@ class Completion:
             else:
                 text = (self.prepared[i].prompt + out.text) if self.echo else out.text
                 choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason})
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model_name, "choices": choices, "usage": self._usage()}
+        answer = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                  "created": self.created, "model": self.model_name, "choices": choices, "usage": self._usage()}
+        if self.body.kv_transfer_params is not None:  # PD: where the decode worker fetches this prompt's KV
+            answer["kv_transfer_params"] = self.outputs[0].kv_transfer_params
+        return answer
 
     async def events(self):
         """SSE data lines (sse-starlette adds ``data:``); closing this generator aborts what still runs."""

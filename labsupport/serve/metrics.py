@@ -76,6 +76,7 @@ GAUGES = {
     "kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
     "kv_cache_free_blocks": "Free KV-cache blocks (cached blocks no request holds count as free); "
                             "0 without a paged KV cache.",  # ours
+    "kv_requests_held": "Finished requests whose KV blocks wait for another engine's pull (chapter 07).",  # ours
 }
 COUNTERS = {  # prometheus_client appends _total on exposition, as for vLLM's
     "prompt_tokens": "Number of prefill tokens processed.",
@@ -86,7 +87,13 @@ COUNTERS = {  # prometheus_client appends _total on exposition, as for vLLM's
     "prompt_tokens_cached": "Number of cached prompt tokens (local + external).",
     "prompt_tokens_computed": "Prompt tokens run through the model: prefix-cache hits excluded, "
                               "recomputation after a preemption counted again.",  # ours
+    # ours, chapter 07's KV connector (0 without one)
+    "kv_transfer_bytes_sent": "KV bytes other engines pulled from this one.",
+    "kv_transfer_bytes_received": "KV bytes this engine pulled from others.",
+    "kv_leases_expired": "Finished requests whose held KV blocks were freed unpulled when their lease expired.",
+    "kv_loads_failed": "KV pulls that failed (then kv_load_failure_policy applied).",
 }
+CONNECTOR_COUNTERS = ("kv_transfer_bytes_sent", "kv_transfer_bytes_received", "kv_leases_expired", "kv_loads_failed")
 LABELLED_COUNTERS = {  # name -> (help, extra label, its values)
     "request_success": ("Count of successfully processed requests.", "finished_reason", FINISH_REASONS),
     "prompt_tokens_by_source": ("Number of prompt tokens by source.", "source", PROMPT_TOKEN_SOURCES),
@@ -117,17 +124,17 @@ HISTOGRAMS = {  # name -> (help, buckets; None: the request-token series up to m
     "request_max_num_generation_tokens": ("Histogram of maximum number of requested generation tokens.", None),
     "iteration_tokens_total": ("Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS),
 }
-OWN = ("kv_cache_free_blocks", "prompt_tokens_computed")  # ours: vLLM has no such metric
+OWN = ("kv_cache_free_blocks", "prompt_tokens_computed", "kv_requests_held", *CONNECTOR_COUNTERS)  # ours: vLLM has no such metric
 
 # vLLM metrics (names after "vllm:") we do not expose, and why
 NOT_IMPLEMENTED = {
     "num_requests_waiting_by_reason": "no deferred waiting (LoRA budget, KV transfer)",
-    "num_requests_kv_fetch_by_stage": "no KV connector",
+    "num_requests_kv_fetch_by_stage": "not tracked (kv_requests_held and num_requests_waiting are)",
     "engine_sleep_state": "no sleep mode",
     "corrupted_requests": "no NaN-in-logits detection",
     "watermark_requests": "no watermarking",
-    "external_prefix_cache_queries": "no KV connector",
-    "external_prefix_cache_hits": "no KV connector",
+    "external_prefix_cache_queries": "not counted separately (prompt_tokens_by_source has external_kv_transfer)",
+    "external_prefix_cache_hits": "not counted separately (prompt_tokens_by_source has external_kv_transfer)",
     "mm_cache_queries": "no multi-modal inputs",
     "mm_cache_hits": "no multi-modal inputs",
     "prompt_tokens_cached_by_source": "cache-tier sources (device/host/disk/p2p) not tracked per request",
@@ -169,6 +176,7 @@ class ServerMetrics:
         self._engine = None  # the engine of the last on_step: on_finished refreshes the gauges from it
         self._finished: weakref.WeakSet = weakref.WeakSet()  # requests already counted by on_finished
         self._warned_len = False
+        self._connector_seen: dict[str, int] = {}  # connector totals already counted
 
     # ------------------------------------------------------------------ fed by the engine loop
 
@@ -200,10 +208,11 @@ class ServerMetrics:
         for req in requests_with_new_token:
             times = req.metrics.token_times
             if len(req.output_token_ids) == 1:  # its first token: the prefill is done
-                p, c = len(req.prompt_token_ids), req.num_cached_tokens
+                p, c, ext = len(req.prompt_token_ids), req.num_cached_tokens, getattr(req, "num_external_tokens", 0)
                 prompt, cached = prompt + p, cached + c
                 self.labelled["prompt_tokens_by_source"]["local_compute"].inc(p - c)
-                self.labelled["prompt_tokens_by_source"]["local_cache_hit"].inc(c)
+                self.labelled["prompt_tokens_by_source"]["local_cache_hit"].inc(c - ext)
+                self.labelled["prompt_tokens_by_source"]["external_kv_transfer"].inc(ext)
                 self.histograms["time_to_first_token_seconds"].observe(req.metrics.first_token_time
                                                                        - req.metrics.arrival_time)
             elif len(times) >= 2:
@@ -221,7 +230,15 @@ class ServerMetrics:
     def _update_gauges(self, engine):
         g = self.gauges
         g["num_requests_running"].set(len(engine.scheduler.running))
-        g["num_requests_waiting"].set(len(engine.scheduler.waiting))
+        loading = sum(not r.is_finished for r in getattr(engine.scheduler, "loading", {}).values())
+        g["num_requests_waiting"].set(len(engine.scheduler.waiting) + loading)  # KV on its way: waiting too (vLLM)
+        connector = getattr(engine, "connector", None)
+        if connector is not None:
+            g["kv_requests_held"].set(len(engine.scheduler.held))
+            for name in CONNECTOR_COUNTERS:  # the connector's totals -> counter increments
+                value = connector.counters.get(name, 0)
+                self.counters[name].inc(max(0, value - self._connector_seen.get(name, 0)))
+                self._connector_seen[name] = value
         stats = engine.kv.stats()
         total, free = stats.get("kv_blocks_total", 0), stats.get("kv_blocks_free", 0)
         g["kv_cache_usage_perc"].set(1 - free / total if total else 0.0)

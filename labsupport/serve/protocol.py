@@ -79,6 +79,7 @@ class GenerationRequest(Strict):
     cache_salt: str | None = Field(None, min_length=1, max_length=256)  # no cached KV/results across salts
     skip_result_cache: bool = False  # bypass the result cache for this request
     user: str | None = None  # accepted and ignored, as OpenAI's end-user id
+    kv_transfer_params: dict | None = None  # PD (chapter 07): vLLM's field, set by the router
 
     @property
     def include_usage(self) -> bool:

@@ -19,6 +19,10 @@ from collections import OrderedDict
 
 
 def is_deterministic(params) -> bool:
+    """May this request be answered from (and stored in) the result cache? A PD hand-off never is:
+    its answer is a side effect on another engine (KV held for a pull), not only text."""
+    if getattr(params, "kv_transfer_params", None):
+        return False
     return params.temperature == 0 or params.seed is not None
 
 

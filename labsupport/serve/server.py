@@ -52,7 +52,58 @@ def add_serve_arguments(srv):
                      help="requests waiting for a slot beyond this get 429 (0: no waiting at all)")
     srv.add_argument("--max-request-body-bytes", type=int, default=4 << 20, help="larger bodies get 413")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    pd = srv.add_argument_group("prefill/decode disaggregation (chapter 07)")
+    pd.add_argument("--role", default=None, choices=["prefill", "decode", "both"],
+                    help="run as a PD worker: a KV connector gives away (prefill) or fetches (decode) KV; "
+                         "put `python -m labsupport router` in front. 'both' does either, as vLLM's kv_both")
+    pd.add_argument("--kv-transfer-config", default=None,
+                    help="the connector as JSON, vLLM's flag: {\"kv_connector\": \"TcpConnector\", \"kv_port\": 14579, ...}")
+    pd.add_argument("--kv-port", type=int, default=0, help="TCP port of the KV server (0: any free port)")
+    pd.add_argument("--kv-ip", default="127.0.0.1", help="address the KV server listens on and advertises")
+    pd.add_argument("--kv-lease-s", type=float, default=30.0,
+                    help="prefill: seconds a finished request's blocks wait for the decode worker's pull")
+    pd.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
+                    help="decode: when a pull fails, compute the prompt here, or fail the request")
+    pd.add_argument("--cpu-affinity", default=None,
+                    help="pin this process to these CPUs (e.g. 0 or 0-1): on a 2-core machine give each worker one")
     srv.set_defaults(enable_prefix_caching=True)
+
+
+def kv_transfer_config(args) -> dict | None:
+    """The engine's ``kv_transfer_config`` from ``--kv-transfer-config`` and the ``--kv-*`` flags (None: no
+    connector). Raises ValueError saying what is wrong."""
+    import json
+    if args.kv_transfer_config is None and args.role is None:
+        return None
+    try:
+        config = json.loads(args.kv_transfer_config) if args.kv_transfer_config else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--kv-transfer-config is not JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ValueError("--kv-transfer-config must be a JSON object")
+    roles = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both", None: "kv_both"}
+    defaults = {"kv_connector": "TcpConnector", "kv_role": roles[args.role], "kv_ip": args.kv_ip,
+                "kv_port": args.kv_port, "kv_lease_s": args.kv_lease_s,
+                "kv_load_failure_policy": args.kv_load_failure_policy}
+    return {**defaults, **config}
+
+
+def pin_cpus(spec: str | None):
+    """``--cpu-affinity 0`` or ``0-1`` or ``0,2``: this process (and torch's threads) runs on those CPUs only."""
+    if spec is None:
+        return
+    import os
+
+    import torch
+    cpus = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.partition("-")
+            cpus |= set(range(int(lo), int(hi or lo) + 1))
+        os.sched_setaffinity(0, cpus)
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"--cpu-affinity {spec!r}: {exc}") from exc
+    torch.set_num_threads(len(cpus))
 
 
 def engine_options(args) -> dict:
@@ -74,7 +125,9 @@ def engine_options(args) -> dict:
     for name in ("max_waiting_requests", "max_request_body_bytes"):
         if getattr(args, name) < (1 if name == "max_request_body_bytes" else 0):
             raise ValueError(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
-    return dict(enable_prefix_caching=args.enable_prefix_caching and args.kv_cache == "paged",  # needs blocks
+    pin_cpus(args.cpu_affinity)
+    return dict(kv_transfer_config=kv_transfer_config(args),
+                enable_prefix_caching=args.enable_prefix_caching and args.kv_cache == "paged",  # needs blocks
                 enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
                 long_prefill_token_threshold=args.long_prefill_token_threshold)
 
