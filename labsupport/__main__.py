@@ -1,4 +1,4 @@
-"""Command line: ``python -m labsupport {generate,chat,serve,prepare,bench}``.
+"""Command line: ``python -m labsupport {generate,chat,serve,router,prepare,bench}``.
 
 ``bench compare|roofline|profile|serve`` are handed to ``labsupport.bench.cli`` before this parser
 runs; plain ``bench --workload ...`` is parsed here, as in chapters 04-05.
@@ -11,6 +11,9 @@ import sys
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["router"]:  # chapter 07: needs no model, has its own flags
+        from .pd.router import main as router_main
+        return router_main(argv[1:])
     from .bench.cli import SUBCOMMANDS
     if argv[:1] == ["bench"] and argv[1:2] and argv[1] in SUBCOMMANDS:
         from .bench.cli import main as bench_main

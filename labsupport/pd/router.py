@@ -1,0 +1,352 @@
+"""``python -m labsupport router``: one OpenAI endpoint in front of several workers.
+
+* **PD mode** (``--prefill URL[,URL] --decode URL[,URL]``): prefill/decode disaggregation with
+  vLLM's proxy protocol and field names, so the same router drives our servers here and vLLM's
+  in chapter 08. Each request runs twice. A prefill worker (round robin) gets a copy capped at
+  one token with ``kv_transfer_params: {"do_remote_decode": true, ...}``: it computes the
+  prompt's KV, keeps the blocks and answers where to fetch them (``remote_host``,
+  ``remote_port``, ``remote_block_ids``, ...). A decode worker (least loaded) gets the original
+  request with those params, pulls the KV instead of recomputing it, and generates; its answer
+  (JSON, or the SSE stream byte for byte) goes back to the client.
+* **Instance mode** (``--instances URL,URL --policy ...``): load balancing over colocated
+  servers (``routing.py`` says why each policy exists).
+
+Workers fail. A background task probes every worker's ``/health``; one that fails a probe or a
+request is skipped until ``/health`` answers 200 again (a restarted worker comes back by
+itself). A request whose worker dies under it gets OpenAI's 503 JSON or, once its stream has
+started, an SSE ``error`` event and ``[DONE]``: the client learns at once instead of waiting on a
+stream that will never end. A refused connection is retried on another worker (the request
+never reached the first). A client hanging up closes the upstream request, so the worker aborts
+it and frees its blocks. ``x-pd-route`` on every answer says where the request went.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import sys
+import uuid
+
+import anyio
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+
+from ..serve.api import cancel_on_disconnect
+from ..serve.protocol import APIError, error_body
+from .routing import POLICIES, Policy, Workers
+
+log = logging.getLogger(__name__)
+CONNECT_TIMEOUT_S = 2.0  # a worker that does not accept within this is down: fail over, do not hang
+PROBE_TIMEOUT_S = 1.0
+# what vLLM's proxy sends the prefill worker: "compute the prompt, keep its KV for a remote decode"
+PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                     "remote_block_ids": None, "remote_host": None, "remote_port": None}
+UNAVAILABLE = "service_unavailable"
+
+
+class Upstream:
+    """One open request on a worker; ``close()`` (idempotent) ends it there and in the policy's count."""
+
+    def __init__(self, url: str, response: httpx.Response, policy: Policy):
+        self.url, self.response, self.policy, self.closed = url, response, policy, False
+        self.content, self.kv = b"", None  # a prefill's answer, read whole, and its kv_transfer_params
+
+    async def close(self):
+        if not self.closed:
+            self.closed = True
+            self.policy.done(self.url)
+            await self.response.aclose()
+
+
+class Router:
+    """The state behind the app: the workers (``routing.Workers``), one HTTP client, the metrics."""
+
+    def __init__(self, prefill=(), decode=(), instances=(), policy="round_robin", health_interval=1.0,
+                 request_timeout=600.0, prefix_chars=256, max_imbalance=4):
+        self.workers = Workers(prefill, decode, instances, policy, prefix_chars, max_imbalance)
+        self.pd = "prefill" in self.workers.pools
+        self.health_interval, self.request_timeout = health_interval, request_timeout
+        self.client, self.health_task, self.stopping = None, None, False
+        self.registry = r = CollectorRegistry()  # one per router: several in one process do not clash
+        self.requests = Counter("labsupport_router:requests", "Requests received, by route.", ["route"], registry=r)
+        self.errors = Counter("labsupport_router:worker_errors", "Worker failures seen: refused or broken "
+                              "connections, timeouts, failed probes.", ["worker"], registry=r)
+        in_flight = Gauge("labsupport_router:in_flight", "Requests sent to the worker and not finished.",
+                          ["worker", "role"], registry=r)
+        healthy = Gauge("labsupport_router:worker_healthy", "1: the worker is used; 0: skipped as down.",
+                        ["worker", "role"], registry=r)
+        for role, (urls, pol) in self.workers.pools.items():
+            for url in urls:
+                in_flight.labels(url, role).set_function(lambda p=pol, u=url: p.in_flight[u])
+                healthy.labels(url, role).set_function(lambda w=self.workers.by_url[url]: float(bool(w.healthy)))
+                self.errors.labels(url)
+
+    async def start(self):
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.request_timeout, connect=CONNECT_TIMEOUT_S),
+                                        limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512))
+        await self.probe_all()
+        self.health_task = asyncio.create_task(self.health_loop())
+
+    async def stop(self):
+        self.health_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.health_task
+        await self.client.aclose()
+
+    def shutdown(self, wait: bool = False):
+        """On SIGTERM (``serve.server.serve`` calls it): new requests get 503; those in flight may finish."""
+        self.stopping = True
+
+    async def probe_all(self):
+        for url in await self.workers.probe_all(self.client, PROBE_TIMEOUT_S):
+            self.errors.labels(url).inc()
+
+    async def health_loop(self):
+        while True:
+            await asyncio.sleep(self.health_interval)
+            await self.probe_all()
+
+    def upstream_error(self, url: str, exc: httpx.HTTPError) -> APIError:
+        """The answer for a worker failing under a request; a broken worker is skipped until it probes healthy."""
+        self.errors.labels(url).inc()
+        if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+            return APIError(504, f"worker {url} did not answer within {self.request_timeout:g} s", "timeout")
+        message = f"worker {url} failed: {type(exc).__name__}: {exc}".rstrip(": ")
+        self.workers.set_healthy(url, False, message)
+        return APIError(503, message, UNAVAILABLE)
+
+    def status(self) -> str | None:
+        """Why the router cannot serve now, or None."""
+        missing = self.workers.missing_roles()
+        return "the router is shutting down" if self.stopping else \
+            f"no healthy {' or '.join(missing)} worker" if missing else None
+
+    # ------------------------------------------------------------------ requests
+
+    async def open(self, role: str, path: str, body: dict, headers: dict, route: dict) -> Upstream:
+        """Send ``body`` to a healthy worker of ``role`` chosen by the role's policy (``route[role]``: which);
+        returns once the answer's headers are in. A worker refusing the connection is marked down and the
+        next one tried."""
+        urls, policy = self.workers.pools[role]
+        tried = set()
+        while True:
+            candidates = self.workers.candidates(role, exclude=tried)
+            if not candidates:
+                raise APIError(503, f"no healthy {role} worker (of {len(urls)})", UNAVAILABLE)
+            url = route[role] = policy.choose(candidates, body)
+            try:
+                request = self.client.build_request("POST", url + path, json=body, headers=headers)
+                return Upstream(url, await self.client.send(request, stream=True), policy)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never reached it: another may take it
+                policy.done(url)
+                self.upstream_error(url, exc)
+                tried.add(url)
+            except httpx.HTTPError as exc:
+                policy.done(url)
+                raise self.upstream_error(url, exc) from exc
+            except BaseException:  # cancelled: the client hung up
+                policy.done(url)
+                raise
+
+    async def read(self, up: Upstream) -> bytes:
+        try:
+            return await up.response.aread()
+        except httpx.HTTPError as exc:
+            raise self.upstream_error(up.url, exc) from exc
+        finally:
+            await up.close()
+
+    async def handle(self, path: str, body: dict, headers: dict) -> Response:
+        route = {}  # role -> worker, for x-pd-route
+        try:
+            if self.pd:
+                up = await self.prefill(path, body, headers, route)
+                if up.response.status_code != 200:  # the prefill worker's own error, passed through
+                    return passthrough(up, up.content, route)
+                body = {**body, "kv_transfer_params": up.kv}
+            role = "decode" if self.pd else "instance"
+            up = await self.open(role, path, body, headers, route)
+            if body.get("stream") and up.response.status_code == 200 and \
+                    up.response.headers.get("content-type", "").startswith("text/event-stream"):
+                return StreamingResponse(self.relay(up), media_type="text/event-stream", headers=route_header(route),
+                                         background=BackgroundTask(up.close))
+            return passthrough(up, await self.read(up), route)
+        except APIError as exc:
+            return error_response(exc.status, exc.message, exc.type, exc.param, headers=route_header(route))
+
+    async def prefill(self, path: str, body: dict, headers: dict, route: dict) -> Upstream:
+        """Step one of PD: the prompt's KV on a prefill worker; ``.kv`` of the answer says where it is."""
+        if body.get("n", 1) != 1:
+            raise APIError(400, "n must be 1 with prefill/decode disaggregation", param="n")
+        request = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": dict(PREFILL_KV_PARAMS)}
+        if "max_completion_tokens" in body:
+            request["max_completion_tokens"] = 1
+        request.pop("stream_options", None)
+        up = await self.open("prefill", path, request, headers, route)
+        up.content = await self.read(up)
+        if up.response.status_code == 200:
+            try:
+                up.kv = json.loads(up.content).get("kv_transfer_params")
+            except (ValueError, AttributeError):
+                up.kv = None
+            if not isinstance(up.kv, dict):
+                raise APIError(502, f"prefill worker {up.url} answered without kv_transfer_params (is it running "
+                                    "with a KV connector?)", "bad_gateway")
+        return up
+
+    async def relay(self, up: Upstream):
+        """The worker's SSE bytes, unchanged, cut at event boundaries so that a stream breaking mid-event
+        never hands the client half an event; a break becomes an ``error`` event and ``[DONE]``."""
+        pending = b""
+        try:
+            async for chunk in up.response.aiter_bytes():
+                pending += chunk
+                if cut := events_end(pending):
+                    yield pending[:cut]
+                    pending = pending[cut:]
+            if pending:
+                yield pending
+        except httpx.HTTPError as exc:
+            err = self.upstream_error(up.url, exc)
+            yield f"data: {json.dumps(error_body(err.status, err.message, err.type))}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            with anyio.CancelScope(shield=True):  # even when cancelled: the worker must learn we left
+                await up.close()
+
+
+def events_end(buf: bytes) -> int:
+    """Where the last complete SSE event in ``buf`` ends (0: none yet); an event ends with a blank line."""
+    return max(buf.rfind(b"\n\n") + 2 if b"\n\n" in buf else 0, buf.rfind(b"\r\n\r\n") + 4 if b"\r\n\r\n" in buf else 0)
+
+
+def route_header(route: dict) -> dict:
+    return {"x-pd-route": ";".join(f"{role}={url}" for role, url in route.items())} if route else {}
+
+
+def passthrough(up: Upstream, content: bytes, route: dict) -> Response:
+    return Response(content, up.response.status_code, headers=route_header(route),
+                    media_type=up.response.headers.get("content-type", "application/json"))
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None, headers=None,
+                   **extra) -> JSONResponse:
+    """OpenAI's error JSON (``extra``: more top-level keys, as ``workers`` for ``/health``)."""
+    return JSONResponse({**error_body(status, message, type_, param), **extra}, status, headers=headers)
+
+
+def no_nan(constant: str):
+    raise ValueError(f"{constant} is not a number JSON allows")
+
+
+def create_router_app(prefill=(), decode=(), instances=(), policy="round_robin", health_interval=1.0,
+                      request_timeout=600.0, prefix_chars=256, max_imbalance=4) -> FastAPI:
+    """The router's app; ``app.state.router`` is its ``Router``. Workers are base URLs (``http://host:port``)."""
+    router = Router(*([u.rstrip("/") for u in urls] for urls in (prefill, decode, instances)), policy,
+                    health_interval, request_timeout, prefix_chars, max_imbalance)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="LLM Serving Lab router", lifespan=lifespan)
+    app.state.router = app.state.engine = router  # serve() and BackgroundServer call engine.shutdown() on stop
+
+    async def generate(request: Request, path: str):
+        router.requests.labels(path).inc()
+        if router.stopping:
+            return error_response(503, "the router is shutting down", UNAVAILABLE)
+        try:
+            body = json.loads(await request.body(), parse_constant=no_nan)
+        except ValueError as exc:
+            return error_response(400, f"the body is not valid JSON: {exc}")
+        if not isinstance(body, dict):
+            return error_response(400, "the body must be a JSON object")
+        headers = {"X-Request-Id": request.headers.get("x-request-id") or uuid.uuid4().hex}  # same on both legs
+        if "authorization" in request.headers:
+            headers["Authorization"] = request.headers["authorization"]
+        return await cancel_on_disconnect(request, router.handle(path, body, headers))  # hang-up: cancel
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        router.requests.labels("/v1/models").inc()
+        healthy = [w.url for w in router.workers.by_url.values() if w.healthy]
+        if not healthy:
+            return error_response(503, "no healthy worker", UNAVAILABLE)
+        auth = {k: v for k, v in request.headers.items() if k == "authorization"}
+        try:
+            r = await router.client.get(healthy[0] + "/v1/models", headers=auth, timeout=10)
+        except httpx.HTTPError as exc:
+            err = router.upstream_error(healthy[0], exc)
+            return error_response(err.status, err.message, err.type)
+        return Response(r.content, r.status_code, media_type=r.headers.get("content-type", "application/json"))
+
+    @app.get("/health")
+    async def health():
+        why, workers = router.status(), router.workers.table()
+        return error_response(503, why, UNAVAILABLE, workers=workers) if why else {"status": "ok", "workers": workers}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(router.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, exc: HTTPException):
+        return error_response(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404
+                              else "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def internal_error(_, exc: Exception):
+        log.exception("unexpected error while routing a request")
+        return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+
+    return app
+
+
+def url_list(text: str) -> list[str]:
+    urls = [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
+    return [u if "://" in u else "http://" + u for u in urls]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m labsupport router", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prefill", type=url_list, default=[], help="PD mode: prefill workers URL[,URL] (round robin)")
+    p.add_argument("--decode", type=url_list, default=[], help="PD mode: decode workers URL[,URL] (least loaded)")
+    p.add_argument("--instances", type=url_list, default=[], help="instance mode: colocated servers URL,URL,...")
+    p.add_argument("--policy", default="round_robin", choices=POLICIES, help="instance mode: how to pick")
+    p.add_argument("--prefix-chars", type=int, default=256, help="prefix_aware: prompt characters hashed")
+    p.add_argument("--max-imbalance", type=int, default=4, help="prefix_aware: leave the sticky instance when it "
+                   "has this many more requests in flight than the least loaded")
+    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between /health probes")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds to wait for a worker's next bytes")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    args = p.parse_args(argv)
+    try:
+        app = create_router_app(args.prefill, args.decode, args.instances, args.policy, args.health_interval,
+                                args.request_timeout, args.prefix_chars, args.max_imbalance)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    from ..serve.server import serve
+    return serve(app, args.host, args.port, args.log_level)
