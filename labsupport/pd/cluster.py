@@ -1,0 +1,174 @@
+"""Workers as real OS processes: start, wait until healthy, kill, restart. Chapter 07 and its tests use it.
+
+A PD deployment is several servers, each with its own engine and KV pool, so each is its own
+process here too (``python -m labsupport serve --role prefill|decode``), never threads of the
+notebook's kernel: a killed worker must really be gone, and its cores must really be its own.
+
+On a 2-core machine ``cpus`` pins each worker to one core (``--cpu-affinity``; torch then uses
+one thread), so prefill and decode cannot slow each other down by sharing cores, only by what
+they share on purpose: the KV transfer. A colocated server for comparison gets both cores.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Worker:
+    """One ``python -m labsupport serve`` process. ``role``: "prefill", "decode", "both" or None (colocated).
+
+    ``args``: more ``serve`` flags (``["--max-num-batched-tokens", "2048"]``, ``["--enable-chunked-prefill"]``)."""
+
+    def __init__(self, role: str | None = None, cpus: str | None = None, port: int | None = None,
+                 model: str | None = None, args: list[str] | tuple = (), name: str | None = None):
+        self.role, self.cpus, self.model, self.args = role, cpus, model, list(args)
+        self.port = port or free_port()
+        self.name = name or f"{role or 'colocated'}:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.log_path = os.path.join(tempfile.gettempdir(), f"labsupport-worker-{self.port}.log")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "labsupport", "serve", "--port", str(self.port), "--log-level", "warning",
+               *self.args]
+        if self.model:
+            cmd += ["--model", self.model]
+        if self.role:
+            cmd += ["--role", self.role]
+        if self.cpus:
+            cmd += ["--cpu-affinity", self.cpus]
+        return cmd
+
+    def start(self, wait: bool = True, timeout: float = 180.0) -> "Worker":
+        if self.alive:
+            return self
+        env = dict(os.environ)
+        if self.cpus:
+            env["OMP_NUM_THREADS"] = str(len(_cpu_list(self.cpus)))
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        if wait:
+            self.wait_healthy(timeout)
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_healthy(self, timeout: float = 180.0):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if not self.alive:
+                raise RuntimeError(f"worker {self.name} exited ({self.proc.returncode}):\n{self.log_tail()}")
+            if self.healthy():
+                return
+            time.sleep(0.2)
+        self.kill()
+        raise TimeoutError(f"worker {self.name} was not healthy after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            with open(self.log_path) as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+    def kill(self):
+        """SIGKILL: the crash a router must survive (no goodbye, sockets reset)."""
+        if self.alive:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 15.0):
+        """SIGTERM: a clean stop (requests in flight get an error, the process exits 0)."""
+        if self.alive:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def restart(self, wait: bool = True) -> "Worker":
+        self.kill()
+        return self.start(wait)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def _cpu_list(spec: str) -> set[int]:
+    cpus = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cpus |= set(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def start_all(workers: list[Worker], timeout: float = 180.0) -> list[Worker]:
+    """Start every worker at once (their model loads overlap), then wait for each; stop all if one fails."""
+    try:
+        for w in workers:
+            w.start(wait=False)
+        for w in workers:
+            w.wait_healthy(timeout)
+    except BaseException:
+        stop_all(workers)
+        raise
+    return workers
+
+
+def stop_all(workers: list[Worker]):
+    for w in workers:
+        try:
+            w.stop()
+        except Exception:
+            w.kill()
+
+
+class Router(Worker):
+    """``python -m labsupport router`` as its own process: PD mode (``prefill``/``decode`` workers) or
+    instance mode (``instances`` with a ``policy``)."""
+
+    def __init__(self, prefill=(), decode=(), instances=(), policy: str | None = None, port: int | None = None,
+                 args: list[str] | tuple = ()):
+        super().__init__(None, None, port, None, args, name=None)
+        self.prefill, self.decode, self.instances, self.policy = list(prefill), list(decode), list(instances), policy
+        self.name = f"router:{self.port}"
+
+    def command(self) -> list[str]:
+        def urls(ws):
+            return ",".join(w.url if isinstance(w, Worker) else str(w) for w in ws)
+        cmd = [sys.executable, "-m", "labsupport", "router", "--port", str(self.port), *self.args]
+        if self.prefill:
+            cmd += ["--prefill", urls(self.prefill), "--decode", urls(self.decode)]
+        if self.instances:
+            cmd += ["--instances", urls(self.instances)]
+        if self.policy:
+            cmd += ["--policy", self.policy]
+        return cmd
