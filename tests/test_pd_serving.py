@@ -1,0 +1,130 @@
+"""1P+1D as chapter 07 runs it: two ``python -m labsupport serve --role`` processes and the router, all real,
+all on loopback. Tokens through the router equal the colocated server's; the decode worker computes one
+prompt token per request (its own ``/metrics``); killing the decode worker mid-stream gets the client an
+error within 5 s, the prefill worker frees the KV nobody pulled when its lease expires, the router's
+``/health`` says so, and a restarted worker is used again; a dead prefill worker is a fast 503."""
+import json
+import time
+
+import httpx
+import pytest
+from server_tools import assert_openai_error
+
+from labsupport.pd.cluster import Worker, start_all, stop_all
+from labsupport.pd.router import create_router_app
+from labsupport.serve.api import create_app
+from labsupport.serve.background import BackgroundServer
+from labsupport.serve.metrics import parse_metrics
+
+ARGS = ["--num-blocks", "256", "--max-model-len", "2048", "--served-model-name", "smol", "--kv-lease-s", "2"]
+PROMPTS = ["The capital of France is", "Explain why the sky is blue. " * 12, "def fibonacci(n):", "1, 2, 3, 4,"]
+
+
+def metrics(url):
+    return parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
+
+
+@pytest.fixture(scope="module")
+def workers():
+    ws = start_all([Worker("prefill", args=ARGS), Worker("decode", args=ARGS)])
+    yield ws
+    stop_all(ws)
+
+
+@pytest.fixture(scope="module")
+def router(workers):
+    p, d = workers
+    with BackgroundServer(create_router_app(prefill=[p.url], decode=[d.url], health_interval=0.2)) as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def colocated(llm):
+    with BackgroundServer(create_app(llm, "smol")) as srv:
+        yield srv
+
+
+def wait_for(predicate, timeout=15.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+def test_router_answers_equal_colocated_and_decode_computes_one_token_each(workers, router, colocated):
+    _, d = workers
+    before = metrics(d.url)
+    body = {"model": "smol", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    lengths = []
+    for prompt in PROMPTS:
+        got = httpx.post(router.url + "/v1/completions", json={**body, "prompt": prompt}, timeout=60)
+        want = httpx.post(colocated.url + "/v1/completions", json={**body, "prompt": prompt}, timeout=60)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
+        assert got.headers["x-pd-route"].startswith("prefill=")
+        lengths.append(got.json()["usage"]["prompt_tokens"])
+    with httpx.stream("POST", router.url + "/v1/completions", json={**body, "prompt": PROMPTS[1], "stream": True},
+                      timeout=60) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    streamed = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"])
+    assert events[-1] == "[DONE]"
+    assert streamed == httpx.post(colocated.url + "/v1/completions", json={**body, "prompt": PROMPTS[1]},
+                                  timeout=60).json()["choices"][0]["text"]
+    after = metrics(d.url)
+    computed = after["labsupport:prompt_tokens_computed_total"] - before["labsupport:prompt_tokens_computed_total"]
+    external = (after['labsupport:prompt_tokens_by_source_total{source="external_kv_transfer"}']
+                - before['labsupport:prompt_tokens_by_source_total{source="external_kv_transfer"}'])
+    assert computed == len(PROMPTS) + 1  # one token per request: the prompts came as KV, not recomputed
+    hits = (after['labsupport:prompt_tokens_by_source_total{source="local_cache_hit"}']
+            - before['labsupport:prompt_tokens_by_source_total{source="local_cache_hit"}'])
+    # every prompt token but the last came as KV or, for the repeated prompt, from the decode worker's own prefix cache
+    assert external + hits == sum(lengths) - len(lengths) + lengths[1] - 1 and external >= sum(lengths) - len(lengths)
+    p = workers[0]
+    assert wait_for(lambda: metrics(p.url)["labsupport:kv_requests_held"] == 0)
+    assert metrics(p.url)["labsupport:kv_transfer_bytes_sent_total"] == after["labsupport:kv_transfer_bytes_received_total"]
+
+
+def test_decode_killed_mid_stream_errors_fast_frees_prefill_blocks_and_comes_back(workers, router):
+    p, d = workers
+    body = {"model": "smol", "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        seen = [next(lines) for _ in range(6)]  # the stream has begun
+        d.kill()
+        t0 = time.time()
+        rest = [line for line in lines if line]
+    elapsed = time.time() - t0
+    assert elapsed < 5, f"the client waited {elapsed:.1f} s"
+    assert any('"error"' in line for line in rest) and rest[-1] == "data: [DONE]", (seen, rest[-3:])
+    health = httpx.get(router.url + "/health", timeout=5)
+    assert health.status_code == 503
+    t0 = time.time()
+    r = httpx.post(router.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 4}, timeout=30)
+    assert_openai_error(r.status_code, r.json(), 503)
+    assert time.time() - t0 < 5
+    # the prefill worker held that request's KV for a pull that never came: its 2 s lease frees it
+    total = metrics(p.url)["labsupport:kv_cache_free_blocks"]
+    assert wait_for(lambda: metrics(p.url)["labsupport:kv_requests_held"] == 0, 10)
+    m = metrics(p.url)
+    assert m["labsupport:kv_leases_expired_total"] >= 1 and m["labsupport:kv_cache_free_blocks"] >= total
+    d.start()  # same port
+    assert wait_for(lambda: httpx.get(router.url + "/health", timeout=5).status_code == 200, 20)
+    r = httpx.post(router.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_dead_prefill_worker_is_a_fast_503(workers, router):
+    p, _ = workers
+    p.kill()
+    try:
+        t0 = time.time()
+        r = httpx.post(router.url + "/v1/completions", json={"model": "smol", "prompt": "Hi", "max_tokens": 4},
+                       timeout=30)
+        assert_openai_error(r.status_code, r.json(), 503)
+        assert time.time() - t0 < 5
+        assert wait_for(lambda: httpx.get(router.url + "/health", timeout=5).status_code == 503, 5)
+    finally:
+        p.start()
+    assert wait_for(lambda: httpx.get(router.url + "/health", timeout=5).status_code == 200, 20)
