@@ -20,7 +20,7 @@ FAILURE_TEXT = ["Loading widget", "Error displaying widget", "Model state has er
 # Chapter prefix -> CSS selector that must be in its rendered page once the chapter exists.
 CHAPTER_WIDGETS = {"02": ".kv-block-map .kv-block", "03": ".kv-block-map .kv-shared",
                    "04": ".batch-timeline .tl-grid .tl-preempt", "05": ".batch-timeline .tl-grid .tl-prefill",
-                   "06": ".server-dashboard svg polyline"}
+                   "06": ".server-dashboard svg polyline", "07": ".pd-timeline svg .pd-transfer"}
 
 
 def fixture_snapshot():
