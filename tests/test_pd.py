@@ -14,8 +14,8 @@ PROMPT = "Explain, step by step, why the sky is blue and sunsets are red. " * 4
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
-def make(**kw):
-    return LLM(device="cpu", num_blocks=128, kv_transfer_config={"kv_connector": "TcpConnector", **kw})
+def make(num_blocks=128, **kw):
+    return LLM(device="cpu", num_blocks=num_blocks, kv_transfer_config={"kv_connector": "TcpConnector", **kw})
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +158,21 @@ def test_bad_kv_transfer_config_is_a_clear_error():
         make(kv_role="both")
     with pytest.raises(ValueError, match="unknown kv_transfer_config keys"):
         make(kv_prot=1)
+
+
+def test_a_full_decode_pool_makes_the_handoff_wait_not_recompute(llm, prefill):
+    """Two hand-offs whose KV cannot both fit: the second waits for room instead of prefilling on the decode side."""
+    small = make(num_blocks=6)  # one request of ~60 prompt + 20 output tokens needs 5 blocks
+    try:
+        params = SamplingParams(max_tokens=20, **GREEDY)
+        prompts = [PROMPT, PROMPT.replace("blue", "grey")]
+        refs = llm.generate(prompts, params, use_tqdm=False)
+        pres = [hand_off(prefill, p) for p in prompts]
+        outs = small.generate(prompts, [SamplingParams(max_tokens=20, kv_transfer_params=p.kv_transfer_params, **GREEDY)
+                                        for p in pres], use_tqdm=False)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+        assert small.stats()["prompt_tokens_computed"] == 2 and small.stats()["kv_loads_failed"] == 0
+        settle(prefill)
+        assert all_free(small) and all_free(prefill)
+    finally:
+        small.shutdown()

@@ -150,8 +150,12 @@ class Scheduler:
                 budget -= n
                 continue
             hit = self.kv.find_cached_prefix(req)       # what the prefix cache holds already (chapter 03)
-            if self.connector is not None and self.start_remote_load(req, hit):
-                continue                                # it waits for its KV without taking a slot
+            if self.connector is not None:
+                loading = self.start_remote_load(req, hit)
+                if loading is None:
+                    break                               # its KV waits elsewhere, but no room for it here yet
+                if loading:
+                    continue                            # it waits for its KV without taking a slot
             n = self.num_new_tokens(req, budget, out, skip=hit.num_tokens)
             if n == 0 or not self.kv.can_allocate(req, n, hit):
                 break                                   # FCFS: nobody overtakes the head of the queue
@@ -285,14 +289,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ KV from and to other engines (ch. 07)
 
-    def start_remote_load(self, req: Request, hit: PrefixHit) -> bool:
+    def start_remote_load(self, req: Request, hit: PrefixHit) -> bool | None:
         """Ask the connector whether ``req``'s prompt KV can come from elsewhere; if so, reserve the blocks,
-        tell the connector which, and park the request until it lands. False: compute it here."""
+        tell the connector which, and park the request until it lands. False: compute it here. None: its
+        KV can come, but there is no room for it yet; it waits at the head of the queue, as any request
+        would (computing it here instead would put a prefill back on the decode worker)."""
         ext, load_async = self.connector.get_num_new_matched_tokens(req, hit.num_tokens)
         if ext <= 0 or not load_async:
             return False
         if not self.kv.can_allocate(req, ext, hit):
-            return False  # no room now: it is computed here when its turn comes (or waits like any request)
+            return None
         self.waiting.remove(req)
         req.num_computed_tokens = self.kv.use_cached_prefix(req, hit)
         self.kv.allocate(req, ext, offer=False)  # not offered to the prefix cache before the KV is in
