@@ -1,0 +1,191 @@
+"""Chapter 07's measurements: colocated vs chunked prefill vs 1P+1D, with chapter 06's load generator.
+
+Every number comes from real processes (``cluster.py``) driven over HTTP by ``bench serve``'s
+client, so each experiment is also a command line::
+
+    python -m labsupport serve --port 8001 --role prefill --cpu-affinity 0 &
+    python -m labsupport serve --port 8002 --role decode --cpu-affinity 1 &
+    python -m labsupport router --prefill http://127.0.0.1:8001 --decode http://127.0.0.1:8002 --port 8000 &
+    python -m labsupport bench serve --base-url http://127.0.0.1:8000 --endpoint /v1/completions \\
+        --dataset-name long-short --num-prompts 24 --random-input-len 64 --long-input-len 1024 --request-rate 2
+
+What is measured, and why:
+
+* **Interference** (``interference``): short requests decoding while long prompts arrive. The
+  short ones' P99 ITL and TPOT show how much a long prefill stalls everyone's next token.
+* **SLO attainment against rate** (``attainment_sweep``): DistServe's goodput method, the share
+  of requests inside both the TTFT and the TPOT SLO at each rate; the best rate with >= 90 %.
+* **Transfer cost** (``transfer_costs``): pull time against KV bytes, the achieved GB/s beside
+  the raw loopback TCP bandwidth (``loopback_bandwidth``) of the same machine.
+"""
+from __future__ import annotations
+
+import math
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from ..bench.serve_bench import COMPLETIONS, BenchResult, benchmark
+from ..bench.metrics import percentile
+from .cluster import Router, Worker, start_all, stop_all
+
+WORKER_ARGS = ["--num-blocks", "512", "--max-num-batched-tokens", "2048"]  # ~0.4 GB of KV per worker
+CHUNKED_ARGS = ["--enable-chunked-prefill", "--max-num-batched-tokens", "256"]
+
+
+@dataclass
+class Deployment:
+    """One way to serve: the processes, the URL clients use, and the engines behind it (for timelines)."""
+
+    name: str
+    processes: list[Worker]
+    entry: Worker  # the router, or the one colocated worker
+    engines: dict[str, str] = field(default_factory=dict)  # lane name -> worker URL
+
+    @property
+    def url(self) -> str:
+        return self.entry.url
+
+
+def colocated(name: str = "colocated", cpus: str = "0-1", chunked: bool = False, args=(), model=None) -> Deployment:
+    """One server doing both phases on ``cpus``; ``chunked``: long prompts are fed 256 tokens per step."""
+    w = Worker(None, cpus, model=model, args=[*WORKER_ARGS, *(CHUNKED_ARGS if chunked else ()), *args], name=name)
+    return Deployment(name, [w], w, {name: w.url})
+
+
+def disaggregated(name: str = "1P+1D", prefill_cpus: str = "0", decode_cpus: str = "1", args=(),
+                  model=None) -> Deployment:
+    """A prefill worker and a decode worker, each pinned to its own cores, behind a PD router."""
+    p = Worker("prefill", prefill_cpus, model=model, args=[*WORKER_ARGS, *args], name="prefill")
+    d = Worker("decode", decode_cpus, model=model, args=[*WORKER_ARGS, *args], name="decode")
+    r = Router(prefill=[p], decode=[d])
+    return Deployment(name, [p, d, r], r, {"prefill": p.url, "decode": d.url})
+
+
+def start(deployments: list[Deployment], timeout: float = 240.0) -> list[Deployment]:
+    """Start every process of every deployment at once (model loads overlap); routers after their workers."""
+    workers = [p for d in deployments for p in d.processes if not isinstance(p, Router)]
+    routers = [p for d in deployments for p in d.processes if isinstance(p, Router)]
+    start_all(workers, timeout)
+    try:
+        start_all(routers, 60)
+    except BaseException:
+        stop_all(workers)
+        raise
+    return deployments
+
+
+def stop(deployments: list[Deployment]):
+    stop_all([p for d in deployments for p in reversed(d.processes)])
+
+
+def model_name(url: str) -> str:
+    return httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def run(dep: Deployment, requests, rate: float, seed: int = 0, slo: dict | None = None) -> BenchResult:
+    """One load run through the deployment's front door (completions, greedy, ignore_eos, streamed)."""
+    return benchmark(dep.url, model_name(dep.url), requests, rate=rate, endpoint=COMPLETIONS, seed=seed, slo=slo,
+                     progress=False)
+
+
+def split(result: BenchResult, long_from: int) -> dict:
+    """The run seen by the two kinds of request: short ones (their decode is what prefills stall) and long."""
+    ok = [r for r in result.requests if r.success]
+    short, long_ = [r for r in ok if r.prompt_len < long_from], [r for r in ok if r.prompt_len >= long_from]
+
+    def ms(values, q):
+        return percentile([v * 1000 for v in values], q) if values else math.nan
+    return {"short_p99_itl_ms": ms([g for r in short for g in r.itl], 99),
+            "short_p50_itl_ms": ms([g for r in short for g in r.itl], 50),
+            "short_p99_tpot_ms": ms([r.tpot for r in short if r.output_tokens > 1], 99),
+            "short_p50_ttft_ms": ms([r.ttft for r in short], 50),
+            "long_p50_ttft_ms": ms([r.ttft for r in long_], 50),
+            "output_throughput": result.summary["output_throughput"], "failed": result.summary["failed"]}
+
+
+def interference(deployments: list[Deployment], requests, rate: float, long_from: int, seed: int = 0) -> dict:
+    """The same long-short workload through each deployment, one after the other: name -> ``split``."""
+    return {d.name: split(run(d, requests, rate, seed), long_from) for d in deployments}
+
+
+def attainment(result: BenchResult, slo: dict, max_prompt_len: int | None = None) -> float:
+    """Share of requests that succeeded inside every SLO (``{"ttft": ms, "tpot": ms}``). ``max_prompt_len``:
+    judge only the requests with shorter prompts (the interactive ones; a long document's prefill alone
+    can take longer than a chat user's TTFT SLO, and is judged by its own)."""
+    measured = {"ttft": lambda r: r.ttft, "tpot": lambda r: r.tpot}
+    judged = [r for r in result.requests if max_prompt_len is None or r.prompt_len < max_prompt_len]
+    good = [r for r in judged if r.success and all(measured[k](r) * 1000 <= v for k, v in slo.items())]
+    return len(good) / max(len(judged), 1)
+
+
+def attainment_sweep(deployments: list[Deployment], loads: list, rates: list[float], slo: dict,
+                     target: float = 0.9, seed: int = 0, max_prompt_len: int | None = None) -> dict:
+    """DistServe's method: SLO attainment at each rate; the goodput is the highest rate at >= ``target``.
+
+    ``loads``: one request list per rate, each different: the servers cache prefixes, so the same
+    prompts sent again would find their KV cached and flatter every rate after the first."""
+    if len(loads) != len(rates):
+        raise ValueError(f"{len(rates)} rates need {len(rates)} request lists, got {len(loads)}")
+    table = {}
+    for d in deployments:
+        rows = [(rate, attainment(run(d, load, rate, seed), slo, max_prompt_len)) for rate, load in zip(rates, loads)]
+        ok = [rate for rate, a in rows if a >= target]
+        table[d.name] = {"rates": [r for r, _ in rows], "attainment": [a for _, a in rows],
+                         "goodput_rate": max(ok) if ok else 0.0}
+    return table
+
+
+def transfer_costs(prefill_url: str, decode_url: str, tokenizer, lengths: list[int], seed: int = 0) -> list[dict]:
+    """For prompts of each length: hand one off by hand (the router's two legs) and read the decode worker's
+    own record of the pull (``/pd/timeline``): bytes, milliseconds, GB/s."""
+    from ..bench.serve_datasets import sample_requests
+    rows = []
+    for n in lengths:
+        req = sample_requests(tokenizer, "random", 1, n, 1, seed=seed + n)[0]
+        body = {"prompt": req.prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+        since = time.time()
+        pre = httpx.post(prefill_url + "/v1/completions", json={**body, "kv_transfer_params": {"do_remote_decode": True}},
+                         timeout=120).json()
+        httpx.post(decode_url + "/v1/completions", json={**body, "kv_transfer_params": pre["kv_transfer_params"]},
+                   timeout=120).raise_for_status()
+        recv = [t for t in httpx.get(decode_url + "/pd/timeline", params={"since": since}, timeout=10).json()["transfers"]
+                if t["role"] == "recv" and t["transfer_id"] == pre["kv_transfer_params"]["remote_request_id"]]
+        t = recv[-1]
+        seconds = t["end"] - t["start"]
+        rows.append({"prompt_tokens": req.prompt_len, "kv_bytes": t["num_bytes"], "ms": seconds * 1000,
+                     "gbps": t["num_bytes"] / seconds / 1e9})
+    return rows
+
+
+def loopback_bandwidth(num_bytes: int = 256 << 20, chunk: int = 4 << 20) -> float:
+    """Raw TCP over loopback, one connection, GB/s: the ceiling our KV pulls run under on this machine."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def sink():
+        conn, _ = server.accept()
+        with conn:
+            buf, got = bytearray(chunk), 0
+            while got < num_bytes:
+                n = conn.recv_into(buf)
+                if not n:
+                    break
+                got += n
+            conn.sendall(b"k")
+
+    t = threading.Thread(target=sink, daemon=True)
+    t.start()
+    data = memoryview(bytearray(chunk))
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        start = time.perf_counter()
+        for _ in range(num_bytes // chunk):
+            sock.sendall(data)
+        sock.recv(1)
+        elapsed = time.perf_counter() - start
+    t.join(5)
+    server.close()
+    return num_bytes / elapsed / 1e9
