@@ -176,3 +176,31 @@ def test_a_full_decode_pool_makes_the_handoff_wait_not_recompute(llm, prefill):
         assert all_free(small) and all_free(prefill)
     finally:
         small.shutdown()
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ({"do_remote_prefill": True, "remote_block_ids": "0,1", "remote_port": 1, "remote_host": "h",
+      "remote_request_id": "r"}, "remote_block_ids"),
+    ({"do_remote_prefill": True, "remote_block_ids": [0], "remote_port": 99999, "remote_host": "h",
+      "remote_request_id": "r"}, "remote_port"),
+    ({"do_remote_prefill": True, "remote_block_ids": [0], "remote_port": 80, "remote_request_id": "r"}, "remote_host"),
+])
+def test_malformed_kv_transfer_params_are_refused_before_anything_runs(decode, llm, bad, needle):
+    with pytest.raises(ValueError, match=needle):
+        decode.generate(PROMPT, SamplingParams(max_tokens=4, kv_transfer_params=bad), use_tqdm=False)
+    with pytest.raises(ValueError, match="KV connector"):
+        llm.generate(PROMPT, SamplingParams(max_tokens=4, kv_transfer_params={"do_remote_decode": True}), use_tqdm=False)
+    assert all_free(decode)
+
+
+def test_the_server_answers_400_for_malformed_kv_transfer_params(decode, llm):
+    import httpx
+
+    from labsupport.serve.api import create_app
+    from labsupport.serve.background import BackgroundServer
+    body = {"prompt": "Hi", "max_tokens": 2, "kv_transfer_params": {"do_remote_prefill": True, "remote_port": "x"}}
+    with BackgroundServer(create_app(decode, "smol")) as pd_server, BackgroundServer(create_app(llm, "smol")) as plain:
+        for srv, needle in ((pd_server, "remote_block_ids"), (plain, "KV connector")):
+            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    assert all_free(decode)

@@ -193,6 +193,10 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must lie in [0, {vocab}), got {params.stop_token_ids}")
+        if params.kv_transfer_params is not None:  # chapter 07: a PD hand-off needs a connector that can follow it
+            if self.connector is None:
+                raise ValueError("kv_transfer_params needs an engine with a KV connector (kv_transfer_config)")
+            self.connector.check_params(params.kv_transfer_params)
         req = Request(prompt_token_ids, params, request_id, prompt, cache_salt)
         if not params.ignore_eos:
             req.all_stop_token_ids |= self.scheduler.eos_token_ids  # min_tokens holds EOS back too

@@ -142,6 +142,21 @@ class TcpConnector(KVConnectorBase):
         self.server = KVServer(k_pool, v_pool, block_size, self._lookup, self._on_sent, kv_ip, kv_port)
         self.unpack_blocks = unpack_blocks  # the exercise's plug point on the receiving side (server.pack_blocks: sending)
 
+    @staticmethod
+    def check_params(params: dict | None):
+        """Refuse (ValueError) ``kv_transfer_params`` this connector could not follow, when the request is
+        made: found later, inside a step, a bad field would fail the step's other requests too."""
+        if not params or not params.get("do_remote_prefill"):
+            return
+        ids, port = params.get("remote_block_ids"), params.get("remote_port")
+        if not isinstance(ids, list) or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids):
+            raise ValueError("kv_transfer_params.remote_block_ids must be a list of block ids (integers >= 0)")
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise ValueError(f"kv_transfer_params.remote_port must be a TCP port, got {port!r}")
+        for name in ("remote_host", "remote_request_id"):
+            if not isinstance(params.get(name), str) or not params[name]:
+                raise ValueError(f"kv_transfer_params.{name} must be a non-empty string, got {params.get(name)!r}")
+
     # ------------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):

@@ -118,6 +118,8 @@ class Completion:
                 limit = DEFAULT_COMPLETION_MAX_TOKENS
             max_tokens = context_check(len(ids), limit, engine.max_model_len)
             engine.check_prompt(ids)  # the engine's other rules (token range, batch budget, pool size)
+            if self.body.kv_transfer_params is not None:  # PD: fields the connector could not follow are a 400
+                engine.connector.check_params(self.body.kv_transfer_params)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages" if self.chat else "prompt") from exc
         if text is None and self.echo:
