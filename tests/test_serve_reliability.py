@@ -210,7 +210,7 @@ FUZZ_REQUEST_TIMEOUT_S = 30
 FUZZ_EXAMPLES = 25
 FUZZ_MAX_CHOICES = 2  # per prompt, and prompts per request: see bound_cost
 FUZZED = [("POST", CHAT), ("POST", TEXT), ("POST", "/tokenize"), ("POST", "/detokenize"),
-          ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/version"), ("GET", "/metrics")]
+          ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"), ("GET", "/pd/timeline")]
 
 
 @pytest.fixture(scope="module")
