@@ -58,15 +58,19 @@ class Worker:
     def start(self, wait: bool = True, timeout: float = 180.0) -> "Worker":
         if self.alive:
             return self
-        env = dict(os.environ)
-        if self.cpus:
-            env["OMP_NUM_THREADS"] = str(len(_cpu_list(self.cpus)))
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.environment(),
                                          start_new_session=True)
         if wait:
             self.wait_healthy(timeout)
         return self
+
+    def environment(self) -> dict:
+        """The process's environment: ours, with torch's threads matching the pinned cores."""
+        env = dict(os.environ)
+        if self.cpus:
+            env["OMP_NUM_THREADS"] = str(len(_cpu_list(self.cpus)))
+        return env
 
     @property
     def alive(self) -> bool:
@@ -143,11 +147,22 @@ def start_all(workers: list[Worker], timeout: float = 180.0) -> list[Worker]:
     return workers
 
 
-def stop_all(workers: list[Worker]):
+def stop_all(workers: list[Worker], timeout: float = 15.0):
+    """SIGTERM to every worker at once, then wait for each (stopping them one by one costs their shutdowns
+    summed); one still running after ``timeout`` is killed."""
     for w in workers:
+        if w.alive:
+            try:
+                w.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.time() + timeout
+    for w in workers:
+        if w.proc is None:
+            continue
         try:
-            w.stop()
-        except Exception:
+            w.proc.wait(max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
             w.kill()
 
 
