@@ -25,7 +25,7 @@ class EngineConfig:
     ``gpu_memory_utilization``: the fraction of the device's *total* memory this engine may use
     for its weights, an activation reserve (estimated from ``max_num_batched_tokens`` and the
     model's widths) and its KV cache; the KV cache gets what is left. Our default is 0.2, not
-    vLLM's 0.9: a chapter runs two to four engines in one kernel and may start vLLM beside them,
+    vLLM's 0.92: a chapter runs two to four engines in one kernel and may start vLLM beside them,
     so each engine takes a fifth of the device (four engines leave a fifth for anything else;
     give vLLM its own ``gpu_memory_utilization`` of at most what is left). The engine raises
     ValueError, naming the option to change, if the share cannot hold the weights or one

@@ -1,7 +1,7 @@
 """KV connectors: how an engine gets KV it did not compute, and gives away KV it did.
 
 The interface is vLLM's ``KVConnectorBase_V1``, method for method, so chapter 08 reads vLLM's
-connectors (NixlConnector, LMCacheConnector, P2pNcclConnector, ...) as variations of this one.
+connectors (ExampleConnector, NixlConnector, LMCacheConnectorV1, ...) as variations of this one.
 It has two sides, which vLLM runs in different processes and we run in one:
 
 **Scheduler side** (policy: who waits for what, who holds which blocks)
