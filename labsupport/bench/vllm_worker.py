@@ -8,14 +8,38 @@ It starts vLLM once (about 35 s on 2 cores, not timed), warms it up, then for ea
 resets the prefix cache and times one ``generate`` over the given token ids. Per request it
 writes the token count and, when vLLM fills ``RequestOutput.metrics``, the engine's first and
 last token times (``time.monotonic``, the same clock in every process), relative to the start.
+
+With ``"mode": "greedy"`` in the spec (``side_by_side/offline.py``) it instead returns the greedy
+token ids of each prompt, for a token-by-token comparison with our engine.
 """
 import json
 import sys
 import time
 
 
+def greedy(spec, result_path):
+    """The greedy continuation of each prompt (token ids in, token ids out), with the settings of the
+    chapter 08 servers: fp32, eager, block size 32 (the CPU attention wants a multiple of 32)."""
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    started = time.perf_counter()
+    llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, block_size=32,
+              max_model_len=spec["max_model_len"], seed=0)
+    startup = time.perf_counter() - started
+    params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=spec["ignore_eos"])
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)
+    json.dump({"tokens": [list(o.outputs[0].token_ids) for o in outs], "startup_s": startup,
+               "generate_s": time.perf_counter() - t0, "vllm_version": vllm.__version__,
+               "torch_version": torch.__version__}, open(result_path, "w"))
+
+
 def main(spec_path, result_path):
     spec = json.load(open(spec_path))
+    if spec.get("mode") == "greedy":
+        return greedy(spec, result_path)
     import torch
     import vllm
     from vllm import LLM, SamplingParams

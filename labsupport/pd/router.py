@@ -7,7 +7,10 @@
   prompt's KV, keeps the blocks and answers where to fetch them (``remote_host``,
   ``remote_port``, ``remote_block_ids``, ...). A decode worker (least loaded) gets the original
   request with those params, pulls the KV instead of recomputing it, and generates; its answer
-  (JSON, or the SSE stream byte for byte) goes back to the client.
+  (JSON, or the SSE stream byte for byte) goes back to the client. A prefill answer without
+  ``kv_transfer_params`` is a 502, unless ``--kv-params optional``: connectors that find the KV by
+  the prompt itself (vLLM's ExampleConnector, through shared storage) answer ``null`` there, and
+  the decode request then goes out without them, as vLLM's own toy proxy does.
 * **Instance mode** (``--instances URL,URL --policy ...``): load balancing over colocated
   servers (``routing.py`` says why each policy exists).
 
@@ -48,6 +51,7 @@ PROBE_TIMEOUT_S = 1.0
 PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                      "remote_block_ids": None, "remote_host": None, "remote_port": None}
 UNAVAILABLE = "service_unavailable"
+KV_PARAMS = ("required", "optional")  # may a prefill answer come without kv_transfer_params?
 
 
 class Upstream:
@@ -68,7 +72,10 @@ class Router:
     """The state behind the app: the workers (``routing.Workers``), one HTTP client, the metrics."""
 
     def __init__(self, prefill=(), decode=(), instances=(), policy="round_robin", health_interval=1.0,
-                 request_timeout=600.0, prefix_chars=256, max_imbalance=4):
+                 request_timeout=600.0, prefix_chars=256, max_imbalance=4, kv_params="required"):
+        if kv_params not in KV_PARAMS:
+            raise ValueError(f"kv_params must be one of {KV_PARAMS}, not {kv_params!r}")
+        self.kv_params = kv_params
         self.workers = Workers(prefill, decode, instances, policy, prefix_chars, max_imbalance)
         self.pd = "prefill" in self.workers.pools
         self.health_interval, self.request_timeout = health_interval, request_timeout
@@ -169,7 +176,8 @@ class Router:
                 up = await self.prefill(path, body, headers, route)
                 if up.response.status_code != 200:  # the prefill worker's own error, passed through
                     return passthrough(up, up.content, route)
-                body = {**body, "kv_transfer_params": up.kv}
+                if up.kv is not None:
+                    body = {**body, "kv_transfer_params": up.kv}
             role = "decode" if self.pd else "instance"
             up = await self.open(role, path, body, headers, route)
             if body.get("stream") and up.response.status_code == 200 and \
@@ -196,6 +204,8 @@ class Router:
             except (ValueError, AttributeError):
                 up.kv = None
             if not isinstance(up.kv, dict):
+                up.kv = None
+            if up.kv is None and self.kv_params == "required":
                 raise APIError(502, f"prefill worker {up.url} answered without kv_transfer_params (is it running "
                                     "with a KV connector?)", "bad_gateway")
         return up
@@ -245,10 +255,10 @@ def no_nan(constant: str):
 
 
 def create_router_app(prefill=(), decode=(), instances=(), policy="round_robin", health_interval=1.0,
-                      request_timeout=600.0, prefix_chars=256, max_imbalance=4) -> FastAPI:
+                      request_timeout=600.0, prefix_chars=256, max_imbalance=4, kv_params="required") -> FastAPI:
     """The router's app; ``app.state.router`` is its ``Router``. Workers are base URLs (``http://host:port``)."""
     router = Router(*([u.rstrip("/") for u in urls] for urls in (prefill, decode, instances)), policy,
-                    health_interval, request_timeout, prefix_chars, max_imbalance)
+                    health_interval, request_timeout, prefix_chars, max_imbalance, kv_params)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -331,6 +341,9 @@ def main(argv=None) -> int:
     p.add_argument("--prefill", type=url_list, default=[], help="PD mode: prefill workers URL[,URL] (round robin)")
     p.add_argument("--decode", type=url_list, default=[], help="PD mode: decode workers URL[,URL] (least loaded)")
     p.add_argument("--instances", type=url_list, default=[], help="instance mode: colocated servers URL,URL,...")
+    p.add_argument("--kv-params", default="required", choices=KV_PARAMS, help="PD mode: 'optional' passes a "
+                   "prefill answer without kv_transfer_params on to decode without them (KV found by the prompt, "
+                   "as with vLLM's ExampleConnector); 'required' answers 502")
     p.add_argument("--policy", default="round_robin", choices=POLICIES, help="instance mode: how to pick")
     p.add_argument("--prefix-chars", type=int, default=256, help="prefix_aware: prompt characters hashed")
     p.add_argument("--max-imbalance", type=int, default=4, help="prefix_aware: leave the sticky instance when it "
@@ -343,7 +356,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         app = create_router_app(args.prefill, args.decode, args.instances, args.policy, args.health_interval,
-                                args.request_timeout, args.prefix_chars, args.max_imbalance)
+                                args.request_timeout, args.prefix_chars, args.max_imbalance, args.kv_params)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

