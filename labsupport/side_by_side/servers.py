@@ -31,10 +31,17 @@ def vllm_status() -> tuple[bool, str]:
     """(usable, why not): the chapter skips its live vLLM cells with this message when vLLM is absent."""
     venv = default_python().parent.parent
     if not vllm_bin("vllm").exists():
-        return False, f"{HOW_TO_INSTALL} (no {vllm_bin('vllm')})"
+        return False, f"{HOW_TO_INSTALL} (no {_shown(vllm_bin('vllm'))})"
     if not (venv / ".installed").exists():
-        return False, f"{venv} is not completely installed: {HOW_TO_INSTALL}"
-    return True, f"vLLM from {venv}"
+        return False, f"{_shown(venv)} is not completely installed: {HOW_TO_INSTALL}"
+    return True, f"vLLM from {_shown(venv)}"
+
+
+def _shown(path: Path) -> str:
+    """A path as an attendee's notebook may print it: relative to the repository when inside it."""
+    with contextlib.suppress(ValueError):
+        return str(path.resolve().relative_to(Path(__file__).resolve().parents[2]))
+    return path.name
 
 
 def on_gpu() -> bool:
