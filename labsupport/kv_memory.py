@@ -18,7 +18,11 @@ KiB, GiB = 1024, 1024**3
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 
-GPUS = {"24 GB (RTX 4090 / L4)": 24e9, "80 GB (A100 / H100)": 80e9, "141 GB (H200)": 141e9}
+# A card sold as "80 GB" has 80 GiB (nvidia-smi: 81920 MiB); the H200's "141 GB" reads 143771 MiB.
+GPUS = {"24 GiB (RTX 4090 / L4)": 24 * GiB, "80 GiB (A100 / H100)": 80 * GiB, "140 GiB (H200)": 143771 * 1024**2}
+# The share of a GPU an engine may plan for: the rest is the CUDA context, activations and allocator
+# slack (vLLM's --gpu-memory-utilization, 0.92 by default; 0.9 is a round, common setting).
+USABLE_FRACTION = 0.9
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class ModelFacts:
     head_dim: int
     kv_lora_rank: int = 0  # MLA only: width of the cached latent c_KV
     rope_head_dim: int = 0  # MLA only: the decoupled RoPE key, cached beside the latent
+    v_head_dim: int = 0  # when values are narrower than keys (DeepSeek: keys 192, values 128); 0 = head_dim
     source: str = ""
 
 
@@ -59,10 +64,11 @@ MODELS: dict[str, ModelFacts] = {f.name: f for f in [
                source="mistralai/Mistral-7B-v0.3 config.json (head_dim 128)"),
     ModelFacts("Falcon-7B", 6.92, 32, "MQA", 71, 1, 64,
                source="tiiuae/falcon-7b config.json (hidden_size 4544 / 71 heads, multi_query)"),
-    # num_key_value_heads is 128 in the config, but what is cached is the shared latent;
-    # head_dim 128 is qk_nope_head_dim = v_head_dim, used only for the MHA comparison.
-    ModelFacts("DeepSeek-V3", 671.0, 61, "MLA", 128, 128, 128, kv_lora_rank=512, rope_head_dim=64,
-               source="deepseek-ai/DeepSeek-V3 config.json (kv_lora_rank 512, qk_rope_head_dim 64)"),
+    # num_key_value_heads is 128 in the config, but what is cached is the shared latent. For the MHA
+    # comparison a key is qk_nope_head_dim 128 + qk_rope_head_dim 64 = 192 wide, a value v_head_dim 128.
+    ModelFacts("DeepSeek-V3", 671.0, 61, "MLA", 128, 128, 192, kv_lora_rank=512, rope_head_dim=64, v_head_dim=128,
+               source="deepseek-ai/DeepSeek-V3 config.json (kv_lora_rank 512, qk_nope_head_dim 128, "
+                      "qk_rope_head_dim 64, v_head_dim 128)"),
 ]}
 
 
@@ -84,7 +90,7 @@ def kv_bytes_per_token(facts: ModelFacts | str, dtype: str = "bfloat16") -> int:
     f, nbytes = _facts(facts), DTYPE_BYTES[dtype]
     if f.attention == "MLA":
         return f.layers * (f.kv_lora_rank + f.rope_head_dim) * nbytes
-    return 2 * f.layers * f.kv_heads * f.head_dim * nbytes
+    return f.layers * f.kv_heads * (f.head_dim + (f.v_head_dim or f.head_dim)) * nbytes
 
 
 def mha_equivalent_bytes_per_token(facts: ModelFacts | str, dtype: str = "bfloat16") -> int:
@@ -94,7 +100,7 @@ def mha_equivalent_bytes_per_token(facts: ModelFacts | str, dtype: str = "bfloat
     therefore how many more sequences (or how much longer ones) fit beside the weights.
     """
     f = _facts(facts)
-    return 2 * f.layers * f.q_heads * f.head_dim * DTYPE_BYTES[dtype]
+    return f.layers * f.q_heads * (f.head_dim + (f.v_head_dim or f.head_dim)) * DTYPE_BYTES[dtype]
 
 
 def kv_bytes(facts: ModelFacts | str, context_len: int, batch_size: int = 1,

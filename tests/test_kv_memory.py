@@ -41,8 +41,8 @@ def test_gqa_mqa_saving_is_the_head_ratio(name, saving):
 
 def test_mla_saving_against_mha():
     mha = kvm.mha_equivalent_bytes_per_token("DeepSeek-V3")
-    assert mha == 2 * 61 * 128 * 128 * 2
-    assert mha / kvm.kv_bytes_per_token("DeepSeek-V3") == pytest.approx(56.9, abs=0.05)
+    assert mha == 61 * 128 * (192 + 128) * 2          # keys 192 wide (128 + 64 RoPE), values 128
+    assert mha / kvm.kv_bytes_per_token("DeepSeek-V3") == pytest.approx(71.1, abs=0.05)
 
 
 def test_kv_bytes_scales_with_context_and_batch():
@@ -99,13 +99,17 @@ def test_from_config_matches_the_embedded_model():
 
 
 def test_plot_kv_vs_weights():
-    fig = kvm_viz().plot_kv_vs_weights("Llama-3-8B", 32768, 16, "bfloat16", "80 GB (A100 / H100)")
+    fig = kvm_viz().plot_kv_vs_weights("Llama-3-8B", 32768, 16, "bfloat16", "80 GiB (A100 / H100)")
     ax = fig.axes[0]
-    assert "KV cache" in ax.get_title() and "weights" in ax.get_title()
-    assert "GB" in ax.get_xlabel()
+    title = ax.get_title()
+    # 68.7e9 bytes of KV = 64.0 GiB; with 16 GB of weights, past the usable 72 GiB of an 80 GiB card
+    assert "KV cache 64.0 GiB" in title and "does NOT fit in 72.0 GiB usable of 80.0 GiB" in title
+    assert "GiB" in ax.get_xlabel()
+    lines = sorted(line.get_xdata()[0] for line in ax.get_lines())
+    assert lines == pytest.approx([72.0, 80.0])                   # the usable share, then the card
     fig.canvas.draw()
-    small = kvm_viz().plot_kv_vs_weights("SmolLM2-135M", 512, 1, "float32", 24e9)
-    assert "fits in 24 GB" in small.axes[0].get_title()
+    small = kvm_viz().plot_kv_vs_weights("SmolLM2-135M", 512, 1, "float32", 24 * kvm.GiB)
+    assert "fits in 21.6 GiB usable of 24.0 GiB" in small.axes[0].get_title()
     too_big = kvm_viz().plot_kv_vs_weights("Llama-3-70B", 8192, 4, "bfloat16", 24e9)
     assert "does NOT fit" in too_big.axes[0].get_title()
 
@@ -138,11 +142,11 @@ def test_widget_builds_and_redraws():
     ctx_w.value = 131072
     assert box.last_figure is not first and "128K" in box.last_figure.axes[0].get_title()
     model_w.value = "Llama-3-70B"
-    gpu_w.value = "24 GB (RTX 4090 / L4)"
+    gpu_w.value = "24 GiB (RTX 4090 / L4)"
     assert "do not fit" in summary.value
     # nbval compares the text/plain repr: equal settings must give an equal, address-free text
     again = kvm_viz().kv_memory_widget(model="Llama-3-70B", context_len=131072,
-                                       gpu="24 GB (RTX 4090 / L4)")
+                                       gpu="24 GiB (RTX 4090 / L4)")
     assert repr(box) == repr(again) and "0x" not in repr(box)
 
 

@@ -9,19 +9,20 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from ..kv_memory import (DTYPE_BYTES, GPUS, KiB, MODELS, ModelFacts, kv_bytes, kv_bytes_per_token,
-                         max_tokens_in_memory, mha_equivalent_bytes_per_token, weight_bytes)
+from ..kv_memory import (DTYPE_BYTES, GPUS, USABLE_FRACTION, GiB, KiB, MODELS, ModelFacts, kv_bytes,
+                         kv_bytes_per_token, max_tokens_in_memory, mha_equivalent_bytes_per_token, weight_bytes)
 
-GB = 1e9  # GPU memory is sold in decimal gigabytes, so the budget plots use them too
+GPU_DEFAULT = "80 GiB (A100 / H100)"
 COLORS = {"MHA": "#d62728", "GQA": "#1f77b4", "MQA": "#2ca02c", "MLA": "#9467bd"}
 WEIGHT_COLOR, KV_COLOR = "#7f7f7f", "#ff7f0e"
 CONTEXTS = [512 * 2**i for i in range(9)]  # 512 .. 131072
 BATCHES = [2**i for i in range(9)]  # 1 .. 256
 
 
-def _gb(nbytes: float) -> str:
-    x = nbytes / GB
-    return f"{x:,.0f} GB" if x >= 100 else f"{x:.1f} GB" if x >= 1 else f"{x:.2f} GB"
+def _gib(nbytes: float) -> str:
+    """GPU memory in GiB: what nvidia-smi and torch.cuda report (a card sold as "80 GB" has 80 GiB)."""
+    x = nbytes / GiB
+    return f"{x:,.0f} GiB" if x >= 100 else f"{x:.1f} GiB" if x >= 1 else f"{x:.2f} GiB"
 
 
 def _tokens(n: int) -> str:
@@ -32,53 +33,59 @@ def _resolve(model: ModelFacts | str, gpu: str | float) -> tuple[ModelFacts, str
     facts = MODELS[model] if isinstance(model, str) else model
     if isinstance(gpu, str):
         return facts, gpu, GPUS[gpu]
-    return facts, f"{gpu / GB:g} GB", float(gpu)
+    return facts, _gib(gpu), float(gpu)
 
 
 def budget_summary(model: ModelFacts | str, context_len: int, batch_size: int,
-                   dtype: str = "bfloat16", gpu: str | float = "80 GB (A100 / H100)") -> str:
-    """One sentence: how many sequences of this length fit beside the weights."""
+                   dtype: str = "bfloat16", gpu: str | float = GPU_DEFAULT) -> str:
+    """One sentence: how many sequences of this length fit beside the weights, in the usable share."""
     facts, gpu_name, gpu_bytes = _resolve(model, gpu)
     w = weight_bytes(facts, dtype)
-    if w > gpu_bytes:
-        return (f"the weights alone ({_gb(w)} in {dtype}) do not fit on {gpu_name}: "
+    if w > USABLE_FRACTION * gpu_bytes:
+        return (f"the weights alone ({_gib(w)} in {dtype}) do not fit in {USABLE_FRACTION:g} of {gpu_name}: "
                 f"no sequence fits")
-    n = max_tokens_in_memory(facts, gpu_bytes, dtype) // context_len
+    n = max_tokens_in_memory(facts, USABLE_FRACTION * gpu_bytes, dtype) // context_len
     return f"at this context, {n} concurrent sequences fit ({_tokens(context_len)} tokens each)"
 
 
 def plot_kv_vs_weights(model: ModelFacts | str = "Llama-3-8B", context_len: int = 8192,
                        batch_size: int = 16, dtype: str = "bfloat16",
-                       gpu: str | float = "80 GB (A100 / H100)"):
-    """A horizontal stacked bar, weights then KV cache, against the GPU's memory as a line.
+                       gpu: str | float = GPU_DEFAULT):
+    """A horizontal stacked bar, weights then KV cache, against the GPU's memory and its usable share.
 
-    Weights are counted in ``dtype`` too. The title says which of the two is bigger (at long
-    context and large batch it is the cache) and whether the total fits.
+    Weights are counted in ``dtype`` too. Everything is in GiB, the unit nvidia-smi reports. An engine
+    cannot plan for the whole card (CUDA context, activations, allocator slack), so the verdict is
+    against ``USABLE_FRACTION`` of it, drawn as a dotted line. The title says which of the two is
+    bigger (at long context and large batch it is the cache) and whether the total fits.
     """
     facts, gpu_name, gpu_bytes = _resolve(model, gpu)
     w = weight_bytes(facts, dtype)
     kv = kv_bytes(facts, context_len, batch_size, dtype)
-    fits = w + kv <= gpu_bytes
+    usable = USABLE_FRACTION * gpu_bytes
+    fits = w + kv <= usable
     x_max = max(w + kv, gpu_bytes) * 1.12
 
     fig, ax = plt.subplots(figsize=(9, 3.2), layout="constrained")
-    ax.barh(0, w / GB, height=0.5, color=WEIGHT_COLOR, label=f"weights ({dtype})")
-    ax.barh(0, kv / GB, left=w / GB, height=0.5, color=KV_COLOR, label=f"KV cache ({dtype})")
+    ax.barh(0, w / GiB, height=0.5, color=WEIGHT_COLOR, label=f"weights ({dtype})")
+    ax.barh(0, kv / GiB, left=w / GiB, height=0.5, color=KV_COLOR, label=f"KV cache ({dtype})")
     for start, size, text in ((0, w, "weights"), (w, kv, "KV cache")):
         if size > 0.14 * x_max:  # label inside a segment only when the words fit in it
-            ax.text((start + size / 2) / GB, 0, f"{text}\n{_gb(size)}", ha="center",
+            ax.text((start + size / 2) / GiB, 0, f"{text}\n{_gib(size)}", ha="center",
                     va="center", color="white", fontsize=10, fontweight="bold")
-    ax.axvline(gpu_bytes / GB, color="black", linestyle="--", linewidth=1.5,
+    ax.axvline(gpu_bytes / GiB, color="black", linestyle="--", linewidth=1.5,
                label=f"GPU memory: {gpu_name}")
-    ax.axvspan(gpu_bytes / GB, x_max / GB, color="#b00000", alpha=0.06, zorder=0)  # over capacity
-    ax.set_xlim(0, x_max / GB)
+    ax.axvline(usable / GiB, color="black", linestyle=":", linewidth=1.5,
+               label=f"usable: {USABLE_FRACTION:g} x {_gib(gpu_bytes)}")
+    ax.axvspan(usable / GiB, x_max / GiB, color="#b00000", alpha=0.06, zorder=0)  # over budget
+    ax.set_xlim(0, x_max / GiB)
     ax.set_ylim(-0.6, 0.9)
     ax.set_yticks([])
-    ax.set_xlabel("memory (GB, 10⁹ bytes)")
-    ax.legend(loc="upper right", ncols=3, fontsize=8, framealpha=1, edgecolor="none")
+    ax.set_xlabel("memory (GiB, 2³⁰ bytes)")
+    ax.legend(loc="upper right", ncols=2, fontsize=8, framealpha=1, edgecolor="none")
     sign = ">" if kv > w else "<" if kv < w else "="
     verdict = "fits" if fits else "does NOT fit"
-    ax.set_title(f"KV cache {_gb(kv)} {sign} weights {_gb(w)}: {verdict} in {gpu_bytes / GB:g} GB\n"
+    ax.set_title(f"KV cache {_gib(kv)} {sign} weights {_gib(w)}: total {_gib(w + kv)} {verdict} "
+                 f"in {_gib(usable)} usable of {_gib(gpu_bytes)}\n"
                  f"{facts.name} ({facts.attention}), {batch_size} sequence{'s' * (batch_size != 1)} × "
                  f"{_tokens(context_len)} tokens, {dtype}",
                  fontsize=11, color="black" if fits else "#b00000")
@@ -90,7 +97,7 @@ def plot_kv_per_token_comparison(dtype: str = "bfloat16", models: dict | None = 
     """KiB of KV cache per token for every model, coloured by attention kind.
 
     A faint outline behind each bar is what full MHA would cache, so the gap is the saving.
-    The y axis is logarithmic: MQA's 8 KiB and MHA-equivalent's 3.9 MiB share one chart.
+    The y axis is logarithmic: MQA's 8 KiB and DeepSeek-V3's MHA-equivalent 4.8 MiB share one chart.
     """
     models = MODELS if models is None else models
     names = list(models)
@@ -123,7 +130,7 @@ def plot_kv_per_token_comparison(dtype: str = "bfloat16", models: dict | None = 
 
 def kv_memory_widget(extra_models: list[ModelFacts] | tuple = (), model: str = "Llama-3-8B",
                      context_len: int = 8192, batch_size: int = 16, dtype: str = "bfloat16",
-                     gpu: str = "80 GB (A100 / H100)"):
+                     gpu: str = GPU_DEFAULT):
     """Sliders for model, context, batch, KV dtype and GPU over :func:`plot_kv_vs_weights`.
 
     ``extra_models`` (e.g. ``[kv_memory.from_config(llm.engine.model.config)]``) join the
