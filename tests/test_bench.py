@@ -160,3 +160,19 @@ def test_bench_subcommand_rejects_unknown_engine():
     done = subprocess.run([sys.executable, "-m", "labsupport", "bench", "compare", "--engines", "tgi"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "tgi" in done.stderr
+
+
+def test_small_samples_report_the_max_not_a_p99():
+    from types import SimpleNamespace
+
+    from labsupport.bench.metrics import format_summary, summarize, tail
+
+    def out(ttft, gaps):
+        m = SimpleNamespace(ttft=ttft, tpot=sum(gaps) / len(gaps), itl=gaps, latency=ttft + sum(gaps), queueing_time=0.0)
+        return SimpleNamespace(metrics=m, token_ids=[0] * (len(gaps) + 1))
+
+    few = summarize([out(0.1 * i, [0.01] * 3) for i in range(1, 17)], 10.0)
+    assert tail(few, "ttft") == ("max", pytest.approx(1600.0)) and "mean/P50/max" in format_summary(few)
+    many = summarize([out(0.01 * i, [0.01] * 3) for i in range(1, 201)], 10.0)
+    assert tail(many, "ttft")[0] == "P99" and tail(many, "ttft")[1] < many["max_ttft_ms"]
+    assert tail(few, "itl")[0] == "max" and tail(many, "itl")[0] == "P99"   # 48 gaps vs 600
