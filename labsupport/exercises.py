@@ -19,6 +19,7 @@ chapter notebook itself, the one source), so the rest of the chapter runs.
 from __future__ import annotations
 
 import copy
+import re
 import sys
 from pathlib import Path
 
@@ -54,8 +55,32 @@ def split_solution(source: str) -> tuple[str, str]:
     return "\n".join(student), source
 
 
+PROGRESS_BAR = re.compile(r"\|\s*\d+/\d+ \[")  # tqdm's text: "Benchmark:   0%|          | 0/16 [00:00<?, ?req/s]"
+
+
+def is_progress_bar(output) -> bool:
+    """A tqdm bar saved as a widget. Its text fallback is the bar as first drawn ("0/16"), so a
+    reader without the live widget sees a stale, misleading bar: drop it from saved notebooks."""
+    data = output.get("data", {})
+    text = data.get("text/plain", "")
+    text = "".join(text) if isinstance(text, list) else text
+    return "application/vnd.jupyter.widget-view+json" in data and bool(PROGRESS_BAR.search(text))
+
+
+def clean_chapter(nb: nbformat.NotebookNode) -> bool:
+    """Remove saved progress bars from an executed chapter; True if anything changed."""
+    changed = False
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            kept = [o for o in cell.outputs if not is_progress_bar(o)]
+            changed |= len(kept) != len(cell.outputs)
+            cell.outputs = kept
+    return changed
+
+
 def student_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     out = copy.deepcopy(nb)
+    out.metadata.pop("widgets", None)  # the saved widgets' state belongs to outputs that are cleared below
     cells = []
     for cell in out.cells:
         if cell.cell_type == "code":
@@ -112,6 +137,10 @@ def chapters(root: Path) -> list[Path]:
 def main(argv=None) -> int:
     root = Path(__file__).resolve().parent.parent
     for chapter in chapters(root):
+        nb = nbformat.read(chapter, as_version=4)
+        if clean_chapter(nb):
+            nbformat.write(nb, chapter)
+            print(f"cleaned {chapter.relative_to(root)}: saved progress bars removed")
         target = exercise_path(chapter)
         target.parent.mkdir(exist_ok=True)
         target.write_text(render(chapter))

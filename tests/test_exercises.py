@@ -24,6 +24,28 @@ def test_every_chapter_has_an_exercise_with_a_revealable_solution(path):
             reveal = student.cells[i + 1]
             assert reveal.cell_type == "markdown" and "Reveal the reference solution" in reveal.source
     assert all(not c.get("outputs") for c in student.cells if c.cell_type == "code")
+    assert "widgets" not in student.metadata, "stale widget state in the attendee version"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_chapters_keep_no_stale_progress_bars(path):
+    bars = [i for i, c in enumerate(read(path).cells) if c.cell_type == "code"
+            for o in c.outputs if exercises.is_progress_bar(o)]
+    assert not bars, f"{path.name}: saved tqdm bars in cells {bars} (run `make exercises`)"
+
+
+def test_clean_chapter_drops_progress_bars_and_keeps_other_widgets():
+    import nbformat
+    bar = nbformat.v4.new_output("display_data", data={
+        "application/vnd.jupyter.widget-view+json": {"model_id": "a", "version_major": 2, "version_minor": 0},
+        "text/plain": "Benchmark:   0%|          | 0/16 [00:00<?, ?req/s]"})
+    widget = nbformat.v4.new_output("display_data", data={
+        "application/vnd.jupyter.widget-view+json": {"model_id": "b", "version_major": 2, "version_minor": 0},
+        "text/plain": "BatchTimeline(steps=12)"})
+    text = nbformat.v4.new_output("stream", text="5/16 done [fast]\n")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x", outputs=[bar, widget, text])])
+    assert exercises.clean_chapter(nb) and nb.cells[0].outputs == [widget, text]
+    assert not exercises.clean_chapter(nb)
 
 
 def test_solution_is_cut_out_and_kept_for_the_reveal():
