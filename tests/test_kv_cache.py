@@ -140,3 +140,20 @@ def test_chunked_prefill_gives_the_same_tokens_and_shares_steps_with_decodes(ref
 def test_prompt_over_the_token_budget_needs_chunked_prefill():
     with pytest.raises(ValueError, match="enable_chunked_prefill"):
         LLM(device="cpu", max_num_batched_tokens=8).generate("one two three four five six seven eight nine", GREEDY)
+
+
+def test_contiguous_budget_admits_only_whole_reservations(reference_tokens):
+    per_token = 2 * 30 * 3 * 64 * 4                       # SmolLM2-135M, fp32
+    llm = LLM(kv_cache="contiguous", device="cpu", kv_cache_memory_bytes=2 * (16 + 24) * per_token)
+    ids = [llm.tokenize(p)[0] for p in PROMPTS]
+    assert all(len(i) <= 16 for i in ids), "fixture prompts should be short"
+    reqs = [llm.engine.add_request(i, GREEDY) for i in ids]
+    peak_running = 0
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+        assert llm.engine.kv.reserved_bytes <= llm.engine.kv.budget_bytes
+        peak_running = max(peak_running, len(llm.engine.kv.caches))
+    assert peak_running == 2                               # two whole reservations fit, never three
+    assert [r.output_token_ids for r in reqs] == reference_tokens and llm.engine.kv.reserved_bytes == 0
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
+        llm.engine.add_request(ids[0], SamplingParams(max_tokens=200))

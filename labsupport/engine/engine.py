@@ -63,7 +63,7 @@ class LLMEngine:
             return KVManager(), RecomputeAttention()
         if c.kv_cache == "contiguous":
             kv = ContiguousKVManager(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, self.device,
-                                     self.max_model_len)
+                                     self.max_model_len, budget_bytes=c.kv_cache_memory_bytes)
             return kv, ContiguousAttention(kv)
         num_blocks = c.num_blocks or self._blocks_in_budget(dtype)
         backend = PagedAttention(cfg.num_layers, num_blocks, c.block_size, cfg.num_kv_heads, cfg.head_dim,
@@ -137,6 +137,7 @@ class LLMEngine:
             points["attend_fn"] = (self.backend, "attend_fn")  # ch. 01: append to the cache and attend
         if isinstance(self.kv, KVCacheManager):
             points |= {"slot_mapping": (self.backend, "slot_mapping"),  # ch. 02: token -> pool slot
+                       "decode_attention": (self.backend, "decode_attention"),  # ch. 02: the paged read
                        "block_allocator": (self.kv, "allocator"),  # ch. 02: an allocator instance
                        "chain_hashes": (self.kv, "chain_hashes"),  # ch. 03: block hashes
                        "longest_prefix": (self.kv, "longest_prefix")}  # ch. 03: the cached run
@@ -197,6 +198,11 @@ class LLMEngine:
             if self.connector is None:
                 raise ValueError("kv_transfer_params needs an engine with a KV connector (kv_transfer_config)")
             self.connector.check_params(params.kv_transfer_params)
+        if isinstance(self.kv, ContiguousKVManager) and self.kv.budget_bytes is not None:
+            need = self.kv.reservation_bytes(len(prompt_token_ids), params.max_tokens)
+            if need > self.kv.budget_bytes:
+                raise ValueError(f"this request reserves {need:,} bytes of KV (prompt + max_tokens), more than "
+                                 f"kv_cache_memory_bytes={self.kv.budget_bytes:,}: lower max_tokens or raise the budget")
         req = Request(prompt_token_ids, params, request_id, prompt, cache_salt)
         if not params.ignore_eos:
             req.all_stop_token_ids |= self.scheduler.eos_token_ids  # min_tokens holds EOS back too

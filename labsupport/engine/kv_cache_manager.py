@@ -72,15 +72,30 @@ class KVManager:
 class ContiguousKVManager(KVManager):
     """One contiguous K/V tensor per request and layer, reserved for the request's longest possible
     length (prompt + max_tokens) when it first runs. ``reserved_bytes`` counts what is reserved,
-    ``used_bytes`` what holds tokens: the gap is the waste chapter 02 removes."""
+    ``used_bytes`` what holds tokens: the gap is the waste chapter 02 removes.
+
+    ``budget_bytes`` (the engine's ``kv_cache_memory_bytes``) caps what may be reserved at once, as a
+    server with fixed memory must: a request is admitted only when its whole reservation fits, so
+    the reservations of early-stopping requests cost concurrency. None: no cap (chapter 01)."""
 
     keeps_kv = True
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype, device, max_model_len: int):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype, device, max_model_len: int,
+                 budget_bytes: int | None = None):
         self.shape, self.num_layers = (num_kv_heads, head_dim), num_layers
         self.dtype, self.device, self.max_model_len = dtype, device, max_model_len
+        self.budget_bytes = budget_bytes
         self.caches: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.lengths: dict[str, int] = {}
+
+    def reservation_bytes(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        return min(num_prompt_tokens + max_tokens, self.max_model_len) * self._bytes_per_token()
+
+    def can_allocate(self, req, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        if req.request_id in self.caches or self.budget_bytes is None:
+            return True  # its whole length was reserved when it was admitted
+        need = self.reservation_bytes(len(req.prompt_token_ids), req.params.max_tokens)
+        return self.reserved_bytes + need <= self.budget_bytes
 
     def allocate(self, req, num_new_tokens):
         if req.request_id not in self.caches:
