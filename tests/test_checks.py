@@ -252,6 +252,70 @@ def test_planted_wrong_allocator_fails(wrong):
         checks.check_block_allocator(wrong)
 
 
+def test_reference_paged_read_passes_and_runs_the_engine(llm):
+    paged_read = exercise_solutions(chapter("02"))["paged_read"]
+    checks.check_paged_read(paged_read)
+    from labsupport import LLM
+    checks.check_paged_read(paged_read, LLM(device="cpu", num_blocks=64, block_size=16))
+
+
+def _slots(tables, bs):
+    positions = torch.arange(tables.shape[1] * bs)
+    return positions, tables.repeat_interleave(bs, dim=1) * bs + positions % bs
+
+
+def _read(q, keys, values, mask, scale):
+    scores = torch.einsum("bhd,hbpd->bhp", q.float(), keys.float()) * scale
+    if mask is not None:
+        scores = scores.masked_fill(mask, float("-inf"))
+    return torch.einsum("bhp,hbpd->bhd", scores.softmax(-1), values.float()).to(q.dtype)
+
+
+def read_without_mask(q, k_pool, v_pool, tables, lens, bs):
+    _, slots = _slots(tables, bs)
+    g = q.shape[1] // k_pool.shape[0]
+    return _read(q, k_pool[:, slots].repeat_interleave(g, 0), v_pool[:, slots].repeat_interleave(g, 0), None,
+                 q.shape[-1] ** -0.5)
+
+
+def read_heads_repeated(q, k_pool, v_pool, tables, lens, bs):            # repeat, not repeat_interleave
+    positions, slots = _slots(tables, bs)
+    g = q.shape[1] // k_pool.shape[0]
+    return _read(q, k_pool[:, slots].repeat(g, 1, 1, 1), v_pool[:, slots].repeat(g, 1, 1, 1),
+                 positions[None, None] >= lens[:, None, None], q.shape[-1] ** -0.5)
+
+
+def read_logical_slots(q, k_pool, v_pool, tables, lens, bs):             # ignores the block table
+    positions, _ = _slots(tables, bs)
+    slots = positions[None].expand(len(lens), -1)
+    g = q.shape[1] // k_pool.shape[0]
+    return _read(q, k_pool[:, slots].repeat_interleave(g, 0), v_pool[:, slots].repeat_interleave(g, 0),
+                 positions[None, None] >= lens[:, None, None], q.shape[-1] ** -0.5)
+
+
+def read_mask_excludes_own_token(q, k_pool, v_pool, tables, lens, bs):
+    positions, slots = _slots(tables, bs)
+    g = q.shape[1] // k_pool.shape[0]
+    return _read(q, k_pool[:, slots].repeat_interleave(g, 0), v_pool[:, slots].repeat_interleave(g, 0),
+                 positions[None, None] >= (lens - 1).clamp(min=1)[:, None, None], q.shape[-1] ** -0.5)
+
+
+def read_that_writes(q, k_pool, v_pool, tables, lens, bs):              # zeroes the pool's padding "to be safe"
+    positions, slots = _slots(tables, bs)
+    for i, n in enumerate(lens.tolist()):
+        k_pool[:, slots[i, n:]] = 0
+    return exercise_solutions(chapter("02"))["paged_read"](q, k_pool, v_pool, tables, lens, bs)
+
+
+@pytest.mark.parametrize("wrong", [read_without_mask, read_heads_repeated, read_logical_slots,
+                                   read_mask_excludes_own_token, read_that_writes,
+                                   lambda q, k, v, t, n, bs: q.clone(),                       # returns the query
+                                   lambda q, k, v, t, n, bs: q[:, :1]])                       # wrong shape
+def test_planted_wrong_paged_read_fails(wrong):
+    with pytest.raises(checks.CheckFailed):
+        checks.check_paged_read(wrong)
+
+
 # ---------------------------------------------------------------- chapter 03
 
 from labsupport.engine.prefix_cache import hash_block  # noqa: E402

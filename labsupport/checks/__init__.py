@@ -8,12 +8,13 @@ itself) and fails planted wrong implementations, so a check can never be a rubbe
 from .base import CheckFailed, first_difference, passed
 from .decoding import check_cached_attention, check_greedy_generate
 from .memory import check_block_allocator, check_chain_hashes, check_longest_prefix, check_slot_mapping
+from .paged_read import check_paged_read
 from .pd import check_kv_handoff, check_pack_blocks, check_unpack_blocks
 from .proxy import check_disagg_request
 from .scheduling import check_chunk_rule, check_schedule
 from .serving import check_goodput
 
 __all__ = ["CheckFailed", "first_difference", "passed", "check_greedy_generate", "check_cached_attention",
-           "check_slot_mapping", "check_block_allocator", "check_chain_hashes", "check_longest_prefix",
+           "check_slot_mapping", "check_block_allocator", "check_paged_read", "check_chain_hashes", "check_longest_prefix",
            "check_schedule", "check_chunk_rule", "check_goodput", "check_pack_blocks", "check_unpack_blocks",
            "check_kv_handoff", "check_disagg_request"]
