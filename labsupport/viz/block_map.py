@@ -196,3 +196,52 @@ class BlockMap:
     def _repr_mimebundle_(self, **kwargs):
         # leaving ``BlockMap(...)`` as a cell's last expression displays the widget
         return self.widget._repr_mimebundle_(**kwargs)
+
+
+def plot_block_map(snapshot, title="KV block pool", columns=32, ax=None, colors=None):
+    """The same picture as a static matplotlib figure (for decks and saved notebooks): one square
+    per block in the owner's colour, a thick black edge and the ref count on shared blocks, dotted
+    grey for cached free blocks, the unfilled top of a partly filled block left pale."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    owners, refs = snapshot["owners"], _ref_counts(snapshot)
+    cached = snapshot.get("cached") or [False] * len(owners)
+    tokens = snapshot.get("tokens") or [None] * len(owners)
+    size = snapshot["block_size"]
+    ids = sorted({r for o in owners for r in o}, key=_natural)
+    colors = assign_colors(ids, {} if colors is None else colors)
+    rows = -(-len(owners) // columns)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(min(12, 0.32 * columns + 1), 0.32 * rows + 1.6))
+    for b, (who, n, hit, filled) in enumerate(zip(owners, refs, cached, tokens)):
+        x, y = b % columns, -(b // columns)
+        color = colors[who[0]] if n and who else FREE
+        ax.add_patch(Rectangle((x, y), 0.9, 0.9, facecolor=color, hatch="...." if hit and not n else None,
+                               edgecolor="black" if n > 1 else ("#666" if hit and not n else "none"),
+                               linewidth=2 if n > 1 else 0.8, linestyle="--" if hit and not n else "-"))
+        if n and filled is not None and filled < size:  # the unfilled part of the block, veiled
+            ax.add_patch(Rectangle((x, y + 0.9 * filled / size), 0.9, 0.9 * (size - filled) / size,
+                                   facecolor="white", alpha=0.6, edgecolor="none"))
+        if n > 1:
+            ax.text(x + 0.45, y + 0.45, str(n), ha="center", va="center", fontsize=7, color="white",
+                    fontweight="bold")
+    ax.set_xlim(-0.2, columns)
+    ax.set_ylim(-rows + 0.8, 1.1)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    s = summarize(snapshot)
+    extra = [f"{s['cached']} cached"] if snapshot.get("cached") is not None else []
+    if s["fragmentation"] is not None:
+        extra.append(f"internal fragmentation {s['fragmentation']} slots")
+    ax.set_title(f"{title} · block size {size}\n" + " · ".join(
+        [f"{s['used']}/{s['blocks']} blocks used", f"{s['requests']} requests", f"{s['shared']} shared"] + extra),
+        fontsize=10, loc="left")
+    handles = [Patch(facecolor=colors[r], label=str(r)) for r in ids] + [
+        Patch(facecolor=FREE, label="free"), Patch(facecolor="white", edgecolor="black", linewidth=2,
+                                                   label="shared (ref count)")]
+    if snapshot.get("cached") is not None:
+        handles.append(Patch(facecolor=FREE, hatch="....", edgecolor="#666", linestyle="--", label="cached, reusable"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0, 0), ncols=min(6, len(handles)), fontsize=7,
+              frameon=False)
+    return ax.figure
