@@ -31,6 +31,9 @@ from pathlib import Path
 import nbformat
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from course_map import expand as expand_course_map  # noqa: E402  (slides/course_map.py, beside this file)
+
 REPO = HERE.parent
 TAG_PREFIX = "slide:"
 FIGURE_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -181,7 +184,7 @@ def run_marp(marp: str, source: Path, target: Path, extra: list[str]) -> None:
 
 def build_deck(deck: Path, out_dir: Path, marp: str | None, chromium: str | None) -> list[Path]:
     """Step 2 for one deck: HTML always, PDF when a Chromium path is given."""
-    markdown = inline_images(deck)
+    markdown = expand_course_map(inline_images(deck), deck.name[:2])
     if marp is None:
         raise BuildError("marp not found: run `npm ci --prefix slides` first")
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -215,3 +215,33 @@ def test_course_decks_build_from_the_committed_notebooks(tmp_path):
     assert decks and all((tmp_path / f"{d}.html").exists() for d in decks)
     if extra:
         assert all((tmp_path / f"{d}.pdf").stat().st_size > 10_000 for d in decks)
+
+
+def load_course_map():
+    spec = importlib.util.spec_from_file_location("course_map", REPO / "slides" / "course_map.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_deck_opens_with_the_course_map():
+    decks = sorted((REPO / "slides").glob("[0-9][0-9]_*.md"))
+    cmap = load_course_map()
+    for deck in decks:
+        text = deck.read_text()
+        slides = text.split("\n---\n")
+        assert cmap.DIRECTIVE.search(slides[2]), f"{deck.name}: the course map should be the second slide"
+        assert deck.name[:2] in cmap.CHAPTERS
+
+
+def test_course_map_highlights_its_chapter_and_what_it_changes():
+    cmap = load_course_map()
+    slide = cmap.course_map("05")
+    assert slide.count("<mark>") == 1 and "<mark>**05 chunked prefill**</mark>" in slide
+    assert "**scheduler** → **prefill**" in slide and "**decode**" not in slide
+    expanded = cmap.expand("# deck\n\n<!-- course-map -->\n\n---\nmore", "02")
+    assert "<!-- course-map -->" not in expanded and "<mark>**02 PagedAttention**</mark>" in expanded
+    with pytest.raises(ValueError):
+        cmap.course_map("42")
+    for nn, (_, stations) in cmap.CHAPTERS.items():
+        assert set(stations) <= set(cmap.PATH), nn

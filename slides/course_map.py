@@ -1,0 +1,60 @@
+"""The course map: one slide, drawn from one table, opening every deck with its chapter highlighted.
+
+A deck asks for it with a line ``<!-- course-map -->`` (``build.py`` expands it before Marp runs),
+so the map is written once here and cannot drift between decks. It is the first seed's picture:
+three wastes a serving engine removes, and the request path each chapter works on.
+"""
+from __future__ import annotations
+
+import re
+
+DIRECTIVE = re.compile(r"^<!--\s*course-map\s*-->\s*$", re.MULTILINE)
+
+# The request path, in the order a request meets it; each chapter names the stations it changes.
+PATH = ["request", "result cache", "prefix cache", "scheduler", "prefill", "KV blocks", "decode", "answer"]
+
+CHAPTERS = {
+    "00": ("from model to API", ["request", "prefill", "decode", "answer"]),
+    "01": ("KV cache", ["prefill", "KV blocks", "decode"]),
+    "02": ("PagedAttention", ["KV blocks"]),
+    "03": ("multi-level cache", ["result cache", "prefix cache", "KV blocks"]),
+    "04": ("continuous batching", ["scheduler", "decode"]),
+    "05": ("chunked prefill", ["scheduler", "prefill"]),
+    "06": ("serving", ["request", "answer"]),
+    "07": ("PD disaggregation", ["prefill", "KV blocks", "decode"]),
+    "08": ("the same in vLLM", PATH),
+    "09": ("compute less", ["prefill", "decode"]),
+}
+
+# (the waste, what removes it, the chapters that do it)
+WASTES = [
+    ("repeated computation", "keep past tokens' KV; reuse shared prefixes and whole answers", ["01", "03"]),
+    ("an idle accelerator", "batch decodes, refill slots every step, chunk long prompts, split prefill from decode",
+     ["04", "05", "07"]),
+    ("memory", "count KV bytes, page the cache into blocks, spill to a CPU tier", ["01", "02", "03"]),
+    ("and then", "serve it for real, run the same in vLLM, compute less", ["00", "06", "08", "09"]),
+]
+
+
+def _chapter(nn: str, here: str) -> str:
+    label = f"{nn} {CHAPTERS[nn][0]}"
+    return f"<mark>**{label}**</mark>" if nn == here else label
+
+
+def course_map(here: str) -> str:
+    """The map slide's markdown, chapter ``here`` ("00".."09") highlighted."""
+    if here not in CHAPTERS:
+        raise ValueError(f"no chapter {here!r} on the course map")
+    touched = set(CHAPTERS[here][1])
+    path = " → ".join(f"**{s}**" if s in touched else s for s in PATH)
+    rows = "\n".join(f"| {waste} | {how} | {' · '.join(_chapter(nn, here) for nn in chapters)} |"
+                     for waste, how, chapters in WASTES)
+    return (f"<!-- _class: dense -->\n\n## Where chapter {here} sits: {CHAPTERS[here][0]}\n\n"
+            f"<div class=\"caption\">\n\n{path}\n\n</div>\n\n"
+            f"| the waste | what removes it | chapters |\n|---|---|---|\n{rows}\n\n"
+            f"<div class=\"caption\">\n\nIn bold on the path: what this chapter changes.\n\n</div>\n")
+
+
+def expand(markdown: str, here: str) -> str:
+    """Replace each ``<!-- course-map -->`` line of a deck with the map slide's content."""
+    return DIRECTIVE.sub(lambda _: course_map(here), markdown)
