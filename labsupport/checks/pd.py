@@ -204,6 +204,21 @@ def _idle(llm):
     return s["kv_blocks_free"] == s["kv_blocks_total"] and not sched.held and not sched.loading
 
 
+def require_idle_pair(prefill_llm, decode_llm, before: str):
+    """Two distinct engines with KV connectors and nothing in flight: what every end-to-end PD check runs on.
+    An earlier failed run's held blocks are waited out (their lease) before the engines count as busy."""
+    if prefill_llm is decode_llm:
+        raise ValueError("prefill_llm and decode_llm must be two engines: the KV has to travel")
+    for name, llm in (("prefill_llm", prefill_llm), ("decode_llm", decode_llm)):
+        if getattr(llm.engine, "connector", None) is None:
+            raise ValueError(f"{name} has no KV connector: create it with "
+                             "LLM(..., kv_transfer_config={'kv_connector': 'TcpConnector'})")
+        _settle(llm, llm.engine.connector.lease_s + 2)
+        if not _idle(llm):
+            raise CheckFailed(f"{name} is busy before {before} (blocks in use, or KV held or loading): "
+                              "give the check idle engines")
+
+
 def _hand_off(prefill_llm, decode_llm, pack_fn, unpack_fn):
     """The router's two legs with these functions plugged in; a fresh cache_salt so no prefix cache can help."""
     errors, prompt = {}, {"prompt": PROMPT, "cache_salt": f"check_kv_handoff-{uuid.uuid4().hex}"}
@@ -233,16 +248,7 @@ def _hand_off(prefill_llm, decode_llm, pack_fn, unpack_fn):
 def check_kv_handoff(pack_fn, unpack_fn, prefill_llm, decode_llm, colocated_llm):
     """Prefill on ``prefill_llm``, pull the KV into ``decode_llm`` through the attendee's functions, decode there:
     the tokens must equal ``colocated_llm``'s, with one prompt token computed and every block freed after."""
-    if prefill_llm is decode_llm:
-        raise ValueError("prefill_llm and decode_llm must be two engines: the KV has to travel")
-    for name, llm in (("prefill_llm", prefill_llm), ("decode_llm", decode_llm)):
-        if getattr(llm.engine, "connector", None) is None:
-            raise ValueError(f"{name} has no KV connector: create it with "
-                             "LLM(..., kv_transfer_config={'kv_connector': 'TcpConnector'})")
-        _settle(llm, llm.engine.connector.lease_s + 2)  # an earlier failed hand-off's blocks wait for their lease
-        if not _idle(llm):
-            raise CheckFailed(f"{name} is busy before the hand-off (blocks in use, or KV held or loading): "
-                              "give the check idle engines")
+    require_idle_pair(prefill_llm, decode_llm, "the hand-off")
     want = colocated_llm.generate(PROMPT, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
                                   use_tqdm=False, use_result_cache=False)[0]
     pre, out, delta, errors = _hand_off(prefill_llm, decode_llm, pack_fn, unpack_fn)

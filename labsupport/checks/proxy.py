@@ -21,7 +21,7 @@ import weakref
 
 from ..engine.request import SamplingParams
 from .base import CheckFailed, passed
-from .pd import PROMPT, _idle, _settle
+from .pd import PROMPT, _idle, require_idle_pair
 
 NEW_TOKENS = 4
 PATH = "/v1/completions"
@@ -204,19 +204,6 @@ def _trace(given, body, prefill, decode, error, n, computed) -> tuple[dict, dict
     return prefill_answer, _check_decode(decode, body, prefill_sent, prefill_answer, n, computed)
 
 
-def _check_engines(prefill_llm, decode_llm):
-    if prefill_llm is decode_llm:
-        raise ValueError("prefill_llm and decode_llm must be two engines: the KV has to travel")
-    for name, llm in (("prefill_llm", prefill_llm), ("decode_llm", decode_llm)):
-        if getattr(llm.engine, "connector", None) is None:
-            raise ValueError(f"{name} has no KV connector: create it with "
-                             "LLM(..., kv_transfer_config={'kv_connector': 'TcpConnector'})")
-        _settle(llm, llm.engine.connector.lease_s + 2)  # an earlier failed run's blocks wait for their lease
-        if not _idle(llm):
-            raise CheckFailed(f"{name} is busy before the check (blocks in use, or KV held or loading): give the "
-                              "check idle engines")
-
-
 def check_disagg_request(fn, prefill_llm, decode_llm, colocated_llm):
     """``fn(client, prefill_url, decode_url, body) -> dict`` against ``prefill_llm`` and ``decode_llm`` served on
     loopback (engines with TCP connectors, not serving elsewhere): the decode worker's JSON answer must be returned,
@@ -226,7 +213,7 @@ def check_disagg_request(fn, prefill_llm, decode_llm, colocated_llm):
     from ..serve.api import create_app
     from ..serve.background import BackgroundServer
 
-    _check_engines(prefill_llm, decode_llm)
+    require_idle_pair(prefill_llm, decode_llm, "the check")
     body = {"model": prefill_llm.model_name, "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0,
             "ignore_eos": True, "cache_salt": f"check_disagg_request-{uuid.uuid4().hex}"}  # no prefix cache helps
     n, engines = len(colocated_llm.tokenize(PROMPT)[0]), (prefill_llm, decode_llm)
