@@ -26,6 +26,15 @@ CHAPTERS = {
     "09": ("compute less", ["prefill", "decode"]),
 }
 
+# The seeds' pictures, where one teaches: a clinic for scheduling, a restaurant for prefill and decode.
+PICTURES = {
+    "00": "prefill reads the question, decode writes the answer, one word at a time",
+    "01": "a reader who remembers what was said instead of rereading it for every word",
+    "04": "a clinic calls the next patient as soon as a room is free, not when the morning's batch is done",
+    "05": "the clinic sees the quick check-ups between the long appointments instead of after them",
+    "07": "a restaurant: one crew preps (reads the question), another cooks to order (writes the answer)",
+}
+
 # (the waste, what removes it, the chapters that do it)
 WASTES = [
     ("repeated computation", "keep past tokens' KV; reuse shared prefixes and whole answers", ["01", "03"]),
@@ -49,10 +58,13 @@ def course_map(here: str) -> str:
     path = " → ".join(f"**{s}**" if s in touched else s for s in PATH)
     rows = "\n".join(f"| {waste} | {how} | {' · '.join(_chapter(nn, here) for nn in chapters)} |"
                      for waste, how, chapters in WASTES)
-    return (f"<!-- _class: dense -->\n\n## Where chapter {here} sits: {CHAPTERS[here][0]}\n\n"
+    return (f"<!-- _class: dense -->\n\n<style scoped>\ntable {{ font-size: 19px; }}\n"
+            f".caption {{ font-size: 19px; }}\nh2 {{ margin-bottom: 4px; }}\n</style>\n\n"
+            f"## Where chapter {here} sits: {CHAPTERS[here][0]}\n\n"
             f"<div class=\"caption\">\n\n{path}\n\n</div>\n\n"
             f"| the waste | what removes it | chapters |\n|---|---|---|\n{rows}\n\n"
-            f"<div class=\"caption\">\n\nIn bold on the path: what this chapter changes.\n\n</div>\n")
+            f"<div class=\"caption\">\n\nIn bold on the path: what this chapter changes."
+            + (f" The picture: {PICTURES[here]}." if here in PICTURES else "") + "\n\n</div>\n")
 
 
 def expand(markdown: str, here: str) -> str:
