@@ -88,8 +88,12 @@ class ContiguousKVManager(KVManager):
         self.caches: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.lengths: dict[str, int] = {}
 
+    def reserved_tokens(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """Tokens reserved for a request: the longest it may become."""
+        return min(num_prompt_tokens + max_tokens, self.max_model_len)
+
     def reservation_bytes(self, num_prompt_tokens: int, max_tokens: int) -> int:
-        return min(num_prompt_tokens + max_tokens, self.max_model_len) * self._bytes_per_token()
+        return self.reserved_tokens(num_prompt_tokens, max_tokens) * self._bytes_per_token()
 
     def can_allocate(self, req, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
         if req.request_id in self.caches or self.budget_bytes is None:
@@ -99,7 +103,7 @@ class ContiguousKVManager(KVManager):
 
     def allocate(self, req, num_new_tokens):
         if req.request_id not in self.caches:
-            capacity = min(len(req.prompt_token_ids) + req.params.max_tokens, self.max_model_len)
+            capacity = self.reserved_tokens(len(req.prompt_token_ids), req.params.max_tokens)
             self.caches[req.request_id] = [
                 tuple(torch.zeros(capacity, *self.shape, dtype=self.dtype, device=self.device) for _ in "kv")
                 for _ in range(self.num_layers)]
