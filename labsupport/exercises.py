@@ -102,14 +102,14 @@ def student_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
 
 
 def reference(name: str, namespace: dict | None = None):
-    """The reference solution named ``name`` (a function or class an exercise cell defines), taken from
+    """The reference solution named ``name`` (a function, class or answer an exercise cell defines), taken from
     the chapter notebooks' exercise cells. ``namespace``: the notebook's globals (its imports)."""
     root = Path(__file__).resolve().parent.parent
     for chapter in chapters(root):
         for cell in nbformat.read(chapter, as_version=4).cells:
             if cell.cell_type != "code" or "exercise" not in cell.metadata.get("tags", []):
                 continue
-            if any(line.startswith((f"def {name}(", f"class {name}(", f"class {name}:"))
+            if any(line.startswith((f"def {name}(", f"class {name}(", f"class {name}:", f"{name} = "))
                    for line in cell.source.splitlines()):
                 scope = dict(namespace or {})
                 exec(compile(cell.source, f"{chapter.name} (reference solution)", "exec"), scope)

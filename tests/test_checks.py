@@ -370,6 +370,114 @@ def test_planted_wrong_longest_prefix_fails(wrong):
         checks.check_longest_prefix(wrong)
 
 
+# ---- chapter 03's hard exercise: admitting a prefix hit; the planted bug --------------------------
+
+@pytest.fixture(scope="module")
+def admission_solutions():
+    solutions = exercise_solutions(chapter("03"))
+    return {k: solutions[k] for k in ("free_blocks_needed", "hold_prefix_blocks", "release_blocks",
+                                      "find_leaked_blocks", "WHICH_BLOCKS_LEAK")}
+
+
+@pytest.fixture(scope="module")
+def prefix_llm():
+    from labsupport import LLM
+
+    return LLM(device="cpu", num_blocks=64, block_size=16, enable_prefix_caching=True)
+
+
+def test_reference_prefix_admission_passes_and_runs_the_engine(admission_solutions, prefix_llm):
+    s = admission_solutions
+    checks.check_prefix_admission(s["free_blocks_needed"], s["hold_prefix_blocks"], s["release_blocks"], llm=prefix_llm)
+    checks.check_leak_finder(s["find_leaked_blocks"], s["WHICH_BLOCKS_LEAK"], llm=prefix_llm)
+    assert prefix_llm.stats()["kv_blocks_free"] == 64  # the planted bug's pool went with the check
+
+
+def cost_ignores_sharing(ref_counts, hit_blocks, num_blocks):
+    return num_blocks
+
+
+def cost_counts_cached_as_held(ref_counts, hit_blocks, num_blocks):
+    return num_blocks - len(hit_blocks)
+
+
+def hold_always_shares(allocator, hit_blocks):
+    for block in hit_blocks:
+        allocator.share(block)
+
+
+def hold_allocates_fresh(allocator, hit_blocks):
+    for block in hit_blocks:
+        if allocator.ref_counts[block] > 0:
+            allocator.share(block)
+        else:
+            allocator.allocate()
+
+
+def release_head_first(allocator, block_table):
+    for block in block_table:
+        allocator.free(block)
+
+
+def release_ignores_sharing(allocator, block_table):
+    for block in reversed(block_table):
+        allocator.ref_counts[block] = 0
+        allocator.free_blocks[block] = None
+
+
+@pytest.mark.parametrize("piece,wrong", [("free_blocks_needed", cost_ignores_sharing),
+                                         ("free_blocks_needed", cost_counts_cached_as_held),
+                                         ("hold_prefix_blocks", hold_always_shares),
+                                         ("hold_prefix_blocks", hold_allocates_fresh),
+                                         ("release_blocks", release_head_first),
+                                         ("release_blocks", release_ignores_sharing)])
+def test_planted_wrong_prefix_admission_fails(admission_solutions, piece, wrong):
+    pieces = {k: admission_solutions[k] for k in ("free_blocks_needed", "hold_prefix_blocks", "release_blocks")}
+    pieces[piece] = wrong
+    with pytest.raises(checks.CheckFailed):
+        checks.check_prefix_admission(**pieces)
+
+
+def test_head_first_release_loses_the_prefix_in_the_engine(prefix_llm):
+    """What the unit check's order test stands for: under eviction the engine really hits less."""
+    own = checks.admission_scenario(prefix_llm)
+    head = checks.admission_scenario(prefix_llm, release_blocks=release_head_first)
+    assert own[0] == head[0] and own[2] == head[2] == (0, False)
+    assert own[1][:3] == head[1][:3] and own[1][3] > head[1][3]
+
+
+def leak_finder_orphans_only(snapshot):
+    return [b for b, (r, o) in enumerate(zip(snapshot["ref_counts"], snapshot["owners"])) if r > 0 and not o]
+
+
+def leak_finder_all_held(snapshot):
+    return [b for b, r in enumerate(snapshot["ref_counts"]) if r > 0]
+
+
+@pytest.mark.parametrize("wrong", [leak_finder_orphans_only, leak_finder_all_held])
+def test_planted_wrong_leak_finder_fails(wrong):
+    with pytest.raises(checks.CheckFailed):
+        checks.check_leak_finder(wrong, "b")
+
+
+@pytest.mark.parametrize("answer", ["a", "c", "d", "x"])
+def test_wrong_leak_diagnosis_fails(admission_solutions, answer):
+    with pytest.raises(checks.CheckFailed):
+        checks.check_leak_finder(admission_solutions["find_leaked_blocks"], answer)
+
+
+def test_planted_bug_leaks_and_is_scoped(prefix_llm):
+    from labsupport import SamplingParams
+
+    with checks.planted_bug(prefix_llm) as bug:
+        bug.llm.generate([{"prompt_token_ids": list(range(10, 30))}], SamplingParams(max_tokens=3), use_tqdm=False)
+        stats = bug.llm.stats()
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"] - 1  # one leaked: the last of 2 blocks
+        assert len(bug.released) == 1 and len(bug.released[0]) == 2
+    assert prefix_llm.stats()["kv_blocks_free"] == 64
+    assert prefix_llm.engine.kv.release_blocks.__name__ == "release_blocks"
+
+
 # ---- chapter 04: schedule() ---------------------------------------------------------------------
 
 def test_reference_schedule_passes(llm):
@@ -504,3 +612,47 @@ def test_reference_chunk_rule_passes(llm):
 def test_planted_wrong_chunk_rule_fails(wrong):
     with pytest.raises(checks.CheckFailed):
         checks.check_chunk_rule(wrong)
+
+
+# ---- chapter 05's hard exercise: admitting the head of the queue ---------------------------------
+
+def test_reference_admission_passes(llm):
+    checks.check_admission(exercise_solutions(chapter("05"))["admit_one"], llm)
+
+
+def _admission(skip_hit=True, admit_with_hit=True, kv_for="chunk", chunk="rule", alone=True, kv_hit=True):
+    """An admission with one rule changed (the defaults are the right one)."""
+    def admit(s, req, out, budget_left):
+        hit = s.kv.find_cached_prefix(req)
+        remaining = req.num_tokens - req.num_computed_tokens - (hit.num_tokens if skip_hit else 0)
+        if chunk == "rule":
+            n = s.chunk_rule(remaining, budget_left, s.config.enable_chunked_prefill,
+                             s.config.long_prefill_token_threshold)
+        elif chunk == "whole":
+            n = remaining if remaining <= budget_left else 0
+        else:  # "no threshold"
+            n = min(remaining, budget_left) if s.config.enable_chunked_prefill else (
+                remaining if remaining <= budget_left else 0)
+        if n == 0 and not out.requests and alone:
+            n = remaining
+        need = n if kv_for == "chunk" else remaining
+        if n == 0 or not s.kv.can_allocate(req, need, hit if kv_hit else None):
+            return 0
+        s.admit(req, hit if admit_with_hit else None)
+        s.add_to_batch(out, req, n)
+        return n
+    return admit
+
+
+@pytest.mark.parametrize("wrong", [
+    _admission(skip_hit=False, admit_with_hit=False),  # ignores the prefix cache
+    _admission(admit_with_hit=False),                  # skips the hit's tokens but does not admit with it
+    _admission(kv_for="prompt"),                       # asks the pool for the whole prompt
+    _admission(chunk="whole"),                         # no first chunk: whole prompts only
+    _admission(chunk="no threshold"),                  # ignores long_prefill_token_threshold
+    _admission(alone=False),                           # an over-budget prompt never runs
+    _admission(kv_hit=False),                          # leaves the hit out of the memory check
+])
+def test_planted_wrong_admission_fails(wrong):
+    with pytest.raises(checks.CheckFailed):
+        checks.check_admission(wrong)

@@ -5,10 +5,13 @@ what differs and where to look.
 The tests prove every check passes the reference solution (taken from the chapter notebook
 itself) and fails planted wrong implementations, so a check can never be a rubber stamp.
 """
+from .admission import check_admission
 from .base import CheckFailed, first_difference, passed
 from .decoding import check_cached_attention, check_greedy_generate
 from .memory import check_block_allocator, check_chain_hashes, check_longest_prefix, check_slot_mapping
 from .paged_read import check_paged_read
+from .prefix_admission import (LEAK_ANSWERS, admission_scenario, check_leak_finder, check_prefix_admission,
+                               planted_bug)
 from .pd import check_kv_handoff, check_pack_blocks, check_unpack_blocks
 from .proxy import check_disagg_request
 from .scheduling import check_chunk_rule, check_schedule
@@ -16,5 +19,6 @@ from .serving import check_goodput
 
 __all__ = ["CheckFailed", "first_difference", "passed", "check_greedy_generate", "check_cached_attention",
            "check_slot_mapping", "check_block_allocator", "check_paged_read", "check_chain_hashes", "check_longest_prefix",
-           "check_schedule", "check_chunk_rule", "check_goodput", "check_pack_blocks", "check_unpack_blocks",
+           "check_prefix_admission", "check_leak_finder", "planted_bug", "LEAK_ANSWERS", "admission_scenario",
+           "check_schedule", "check_chunk_rule", "check_admission", "check_goodput", "check_pack_blocks", "check_unpack_blocks",
            "check_kv_handoff", "check_disagg_request"]

@@ -59,6 +59,31 @@ class BlockAllocator:
             self.free_blocks[block] = None
 
 
+def free_blocks_needed(ref_counts: list[int], hit_blocks: list[int], num_blocks: int) -> int:
+    """Blocks the free list must give so a request holds ``num_blocks`` blocks, ``hit_blocks`` of them
+    found by the prefix cache. A live hit block (another request holds it) is shared: it costs
+    nothing. A cached hit block that is free costs one, as a fresh block does: it comes off the free
+    list. Counting it as free twice admits a request that then runs out of blocks mid-step."""
+    return num_blocks - sum(1 for block in hit_blocks if ref_counts[block] > 0)
+
+
+def hold_prefix_blocks(allocator: BlockAllocator, hit_blocks: list[int]):
+    """A new request takes the blocks of its prefix hit: it shares the live ones and takes the free
+    cached ones back off the free list (that very block: it holds the KV; any other holds garbage)."""
+    for block in hit_blocks:
+        if allocator.ref_counts[block] > 0:
+            allocator.share(block)
+        else:
+            allocator.reclaim(block)
+
+
+def release_blocks(allocator: BlockAllocator, block_table: list[int]):
+    """A request leaves: free its blocks tail first. The free list hands out the least recently freed
+    block first, so the prefix, freed last and shared by the most requests, stays cached longest."""
+    for block in reversed(block_table):
+        allocator.free(block)
+
+
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 

@@ -132,7 +132,8 @@ class LLMEngine:
     def _plug_points(self) -> dict:
         """Name -> (object, attribute) of every piece an exercise may replace, on this engine."""
         points = {"schedule_fn": (self.scheduler, "schedule_fn"),  # ch. 04: the whole scheduling policy
-                  "chunk_rule": (self.scheduler, "chunk_rule")}  # ch. 05: tokens one request feeds
+                  "chunk_rule": (self.scheduler, "chunk_rule"),  # ch. 05: tokens one request feeds
+                  "admit_fn": (self.scheduler, "admit_fn")}  # ch. 05: the head of the queue joins, or waits
         if isinstance(self.backend, ContiguousAttention):
             points["attend_fn"] = (self.backend, "attend_fn")  # ch. 01: append to the cache and attend
         if isinstance(self.kv, KVCacheManager):
@@ -140,7 +141,10 @@ class LLMEngine:
                        "decode_attention": (self.backend, "decode_attention"),  # ch. 02: the paged read
                        "block_allocator": (self.kv, "allocator"),  # ch. 02: an allocator instance
                        "chain_hashes": (self.kv, "chain_hashes"),  # ch. 03: block hashes
-                       "longest_prefix": (self.kv, "longest_prefix")}  # ch. 03: the cached run
+                       "longest_prefix": (self.kv, "longest_prefix"),  # ch. 03: the cached run
+                       "free_blocks_needed": (self.kv, "free_blocks_needed"),  # ch. 03: what admitting a hit costs
+                       "hold_prefix_blocks": (self.kv, "hold_prefix_blocks"),  # ch. 03: share or reclaim
+                       "release_blocks": (self.kv, "release_blocks")}  # ch. 03: the order blocks go back
         if self.connector is not None:
             points |= {"pack_blocks": (self.connector.server, "pack_blocks"),  # ch. 07: blocks -> the wire
                        "unpack_blocks": (self.connector, "unpack_blocks")}  # ch. 07: the wire -> other blocks

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .block_pool import BlockAllocator, blocks_needed
+from .block_pool import BlockAllocator, blocks_needed, free_blocks_needed, hold_prefix_blocks, release_blocks
 from .prefix_cache import CPUTier, PrefixCache, chain_hashes, longest_prefix
 
 
@@ -131,8 +131,10 @@ class ContiguousKVManager(KVManager):
 class KVCacheManager(KVManager):
     """Paged KV: block tables over one pool, with an optional prefix cache and CPU tier.
 
-    ``chain_hashes`` and ``longest_prefix`` are attributes so chapter 03's exercise can plug the
-    attendee's own in (``LLMEngine.plugged``); ``allocator`` likewise for chapter 02's.
+    ``chain_hashes`` and ``longest_prefix`` (chapter 03's warm-ups) and ``free_blocks_needed``,
+    ``hold_prefix_blocks`` and ``release_blocks`` (its hard exercise: admitting a prefix hit) are
+    attributes so the attendee's own can be plugged in (``LLMEngine.plugged``); ``allocator``
+    likewise for chapter 02's.
     """
 
     keeps_kv = True
@@ -147,6 +149,9 @@ class KVCacheManager(KVManager):
         self.counters = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "cpu_tier_hits": 0}
         self.chain_hashes = chain_hashes
         self.longest_prefix = longest_prefix
+        self.free_blocks_needed = free_blocks_needed
+        self.hold_prefix_blocks = hold_prefix_blocks
+        self.release_blocks = release_blocks
 
     @property
     def num_blocks(self) -> int:
@@ -161,8 +166,8 @@ class KVCacheManager(KVManager):
         """Free blocks for the request's tokens after this step, less the live shared blocks a hit reuses."""
         hit = hit or PrefixHit(block_size=self.block_size)
         tokens = req.num_computed_tokens + hit.num_tokens + num_new_tokens
-        live = sum(1 for b in hit.device_blocks if self.allocator.ref_counts[b] > 0)
-        return blocks_needed(tokens, self.block_size) - len(req.block_table) - live <= self.allocator.num_free
+        more = blocks_needed(tokens, self.block_size) - len(req.block_table)  # the hit's blocks included
+        return self.free_blocks_needed(self.allocator.ref_counts, hit.device_blocks, more) <= self.allocator.num_free
 
     def _new_block(self) -> int:
         block = self.allocator.allocate()
@@ -187,8 +192,7 @@ class KVCacheManager(KVManager):
         if self.prefix_cache is not None:  # blocks offered for a step that failed never got their KV
             for i in range(req.num_computed_tokens // self.block_size, len(req.block_hashes)):
                 self.prefix_cache.evict(req.block_table[i])
-        for block in reversed(req.block_table):  # tail first: the shared prefix stays cached longest
-            self.allocator.free(block)
+        self.release_blocks(self.allocator, req.block_table)  # tail first: the shared prefix stays cached longest
         req.block_table = []
         req.block_hashes = []
         self.tables.pop(req.request_id, None)
@@ -232,12 +236,8 @@ class KVCacheManager(KVManager):
         blocks again is recompute avoided, not a prefix shared (vLLM issue #25780)."""
         if self.prefix_cache is None:
             return 0
-        for block in hit.device_blocks:
-            if self.allocator.ref_counts[block] > 0:
-                self.allocator.share(block)
-            else:
-                self.allocator.reclaim(block)
-            req.block_table.append(block)
+        self.hold_prefix_blocks(self.allocator, hit.device_blocks)  # share the live ones, reclaim the free ones
+        req.block_table.extend(hit.device_blocks)
         reused = len(hit.device_blocks)
         for h in hit.cpu_hashes:
             self.cpu_tier.touch(h)  # most recently used: our own evictions below must not push them out

@@ -17,7 +17,8 @@ finishing (EOS, ``max_tokens``, the context length) with its memory freed at onc
 
 The small methods (``num_new_tokens``, ``add_to_batch``, ``admit``, ``preempt``) and the KV
 manager's ``can_allocate`` are what a policy is written with: chapter 04's exercise writes
-``schedule`` from them, chapter 05's writes the chunking rule, and ``LLMEngine.plugged`` puts
+``schedule`` from them, chapter 05's writes the chunking rule and the admission of the head of the
+queue (``admit_one``: prefix hit, first chunk, memory for that chunk), and ``LLMEngine.plugged`` puts
 them in for the length of a ``with`` block.
 """
 from __future__ import annotations
@@ -76,6 +77,27 @@ def chunk_rule(num_remaining: int, budget_left: int, enable_chunked_prefill: boo
     return max(budget_left, 0) if enable_chunked_prefill else 0
 
 
+def admit_one(s, req: Request, out: SchedulerOutput, budget_left: int) -> int:
+    """Admit ``req``, the head of the queue, into this step if it can start; return the tokens it feeds
+    (0: it waits, and so does everyone behind it). Chapter 05's hard exercise writes this.
+
+    What the prefix cache holds is not fed again, so the chunk counts only what is left after the
+    hit; with chunked prefill the first chunk may be less than the prompt, and only that chunk
+    needs KV memory now (the rest is allocated step by step, as vLLM does); a request alone in its
+    step runs even if it exceeds the budget, or it would wait forever.
+    """
+    hit = s.kv.find_cached_prefix(req)                  # what the prefix cache holds already (chapter 03)
+    remaining = req.num_tokens - req.num_computed_tokens - hit.num_tokens
+    n = s.chunk_rule(remaining, budget_left, s.config.enable_chunked_prefill, s.config.long_prefill_token_threshold)
+    if n == 0 and not out.requests:
+        n = remaining                                   # alone in its step: it runs whatever its size
+    if n == 0 or not s.kv.can_allocate(req, n, hit):    # blocks for the hit (unless live) and this chunk
+        return 0
+    s.admit(req, hit)                                   # its computed tokens are now the hit's
+    s.add_to_batch(out, req, n)
+    return n
+
+
 class Scheduler:
     def __init__(self, config, kv: KVManager, eos_token_ids=()):
         self.config = config  # the engine's EngineConfig, read at every step: one truth for every option
@@ -86,9 +108,10 @@ class Scheduler:
         self.preempted: list[Request] = []  # this step's preemptions
         self.num_preemptions = 0
         self.counters = {"prompt_tokens_computed": 0, "generation_tokens": 0}
-        # the exercises' plug points (set them through LLMEngine.plugged): a whole policy, a chunking rule
+        # the exercises' plug points (set them through LLMEngine.plugged): a whole policy, a chunking rule, admission
         self.schedule_fn = None
         self.chunk_rule = chunk_rule
+        self.admit_fn = admit_one
         # chapter 07: a KV connector (labsupport.pd.connector), the requests whose prompt KV is on its way
         # (they hold blocks, not a batch slot) and the finished ones whose blocks wait for a remote pull
         self.connector = None
@@ -149,19 +172,16 @@ class Scheduler:
                 self.add_to_batch(out, req, n)
                 budget -= n
                 continue
-            hit = self.kv.find_cached_prefix(req)       # what the prefix cache holds already (chapter 03)
             if self.connector is not None:
-                loading = self.start_remote_load(req, hit)
+                loading = self.start_remote_load(req, self.kv.find_cached_prefix(req))
                 if loading is None:
                     break                               # its KV waits elsewhere, but no room for it here yet
                 if loading:
                     continue                            # it waits for its KV without taking a slot
-            n = self.num_new_tokens(req, budget, out, skip=hit.num_tokens)
-            if n == 0 or not self.kv.can_allocate(req, n, hit):
+            n = self.admit_fn(self, req, out, budget)   # the head joins this step, maybe with a first chunk
+            if n == 0:
                 break                                   # FCFS: nobody overtakes the head of the queue
-            self.admit(req, hit)
-            n = self.num_new_tokens(req, budget, out)   # what is left to compute after the hit
-            self.add_to_batch(out, req, n)
+            out.prefix_hit_tokens[req.request_id] = req.num_computed_tokens  # not yet advanced: the hit
             budget -= n
         return out
 
