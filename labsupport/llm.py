@@ -62,7 +62,7 @@ class LLM:
             ids = {r.request_id for r in mine}
             with tqdm(total=len(prompts), desc="Generating", unit="req", disable=not use_tqdm) as bar:
                 bar.update(len(prompts) - len(mine))
-                while not all(r.is_finished for r in mine):
+                while not all(r.is_finished and all(c.is_finished for c in r.samples) for r in mine):
                     got = self.engine.step()
                     bar.update(sum(r.is_finished and r.request_id in ids for r in got))
                     if not got and self.engine.has_pending_transfers():

@@ -35,3 +35,18 @@ def test_plot_block_map_keeps_the_widget_colours():
     first = dict(colors)
     plot_block_map(snapshot(), colors=colors)
     assert colors == first and len(set(first.values())) == 3
+
+
+def test_plot_block_map_marks_a_leaked_block():
+    from matplotlib.colors import to_hex
+
+    from labsupport.viz.block_map import ORPHAN
+
+    leak = {"block_size": 4, "owners": [[], ["a"], [], []], "ref_counts": [1, 1, 0, 0], "tokens": [0, 3, 0, 0],
+            "cached": [False] * 4}
+    ax = plot_block_map(leak, columns=4).axes[0]
+    squares = [p for p in ax.patches if p.get_width() == 0.9 and p.get_height() == 0.9]
+    assert to_hex(squares[0].get_facecolor()) == ORPHAN and to_hex(squares[2].get_facecolor()) != ORPHAN
+    assert "held, no request owns it" in [t.get_text() for t in ax.get_legend().get_texts()]
+    healthy = plot_block_map(snapshot(), columns=4).axes[0]
+    assert "held, no request owns it" not in [t.get_text() for t in healthy.get_legend().get_texts()]

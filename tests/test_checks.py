@@ -656,3 +656,74 @@ def _admission(skip_hit=True, admit_with_hit=True, kv_for="chunk", chunk="rule",
 def test_planted_wrong_admission_fails(wrong):
     with pytest.raises(checks.CheckFailed):
         checks.check_admission(wrong)
+
+
+# ---- chapter 04's hard exercise: fork and copy-on-write for n > 1 ----------------------------------
+
+@pytest.fixture(scope="module")
+def cow_solutions():
+    solutions = exercise_solutions(chapter("04"))
+    return solutions["fork_blocks"], solutions["copy_on_write"]
+
+
+def test_reference_copy_on_write_passes_and_runs_the_engine(cow_solutions):
+    from labsupport import LLM
+
+    checks.check_copy_on_write(*cow_solutions, LLM(device="cpu", num_blocks=64, max_num_seqs=4), n=3)
+
+
+def fork_without_sharing(allocator, block_table):
+    return list(block_table)
+
+
+def fork_sharing_one_list(allocator, block_table):
+    for block in block_table:
+        allocator.share(block)
+    return block_table
+
+
+def cow_never_copies(allocator, block_table, index, new_block, copy_block):
+    pass
+
+
+def cow_keeps_the_original(allocator, block_table, index, new_block, copy_block):
+    if allocator.ref_counts[block_table[index]] > 1:
+        copy = new_block()
+        copy_block(block_table[index], copy)
+        block_table[index] = copy
+
+
+def cow_always_copies(allocator, block_table, index, new_block, copy_block):
+    copy = new_block()
+    copy_block(block_table[index], copy)
+    allocator.free(block_table[index])
+    block_table[index] = copy
+
+
+def cow_copies_backwards(allocator, block_table, index, new_block, copy_block):
+    if allocator.ref_counts[block_table[index]] > 1:
+        copy = new_block()
+        copy_block(copy, block_table[index])
+        allocator.free(block_table[index])
+        block_table[index] = copy
+
+
+@pytest.mark.parametrize("fork,cow", [(fork_without_sharing, None), (fork_sharing_one_list, None),
+                                      (None, cow_never_copies), (None, cow_keeps_the_original),
+                                      (None, cow_always_copies), (None, cow_copies_backwards)])
+def test_planted_wrong_copy_on_write_fails(cow_solutions, fork, cow):
+    with pytest.raises(checks.CheckFailed):
+        checks.check_copy_on_write(fork or cow_solutions[0], cow or cow_solutions[1])
+
+
+def test_a_copy_on_write_that_never_copies_corrupts_the_engine_samples():
+    """The unit check's 'never copies' case stands for this: the samples overwrite each other's KV."""
+    from labsupport import LLM, SamplingParams
+
+    llm = LLM(device="cpu", num_blocks=64, max_num_seqs=4)
+    chat = [{"role": "user", "content": "Name a colour and say why you like it."}]
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    good = [o.token_ids for o in llm.generate(chat, params, use_tqdm=False)[0].outputs]
+    with llm.plugged(copy_on_write=cow_never_copies):
+        bad = [o.token_ids for o in llm.generate(chat, params, use_tqdm=False)[0].outputs]
+    assert bad != good and llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]

@@ -7,6 +7,7 @@ itself) and fails planted wrong implementations, so a check can never be a rubbe
 """
 from .admission import check_admission
 from .base import CheckFailed, first_difference, passed
+from .copy_on_write import check_copy_on_write
 from .decoding import check_cached_attention, check_greedy_generate
 from .memory import check_block_allocator, check_chain_hashes, check_longest_prefix, check_slot_mapping
 from .paged_read import check_paged_read
@@ -20,5 +21,5 @@ from .serving import check_goodput
 __all__ = ["CheckFailed", "first_difference", "passed", "check_greedy_generate", "check_cached_attention",
            "check_slot_mapping", "check_block_allocator", "check_paged_read", "check_chain_hashes", "check_longest_prefix",
            "check_prefix_admission", "check_leak_finder", "planted_bug", "LEAK_ANSWERS", "admission_scenario",
-           "check_schedule", "check_chunk_rule", "check_admission", "check_goodput", "check_pack_blocks", "check_unpack_blocks",
+           "check_schedule", "check_chunk_rule", "check_admission", "check_copy_on_write", "check_goodput", "check_pack_blocks", "check_unpack_blocks",
            "check_kv_handoff", "check_disagg_request"]

@@ -84,6 +84,26 @@ def release_blocks(allocator: BlockAllocator, block_table: list[int]):
         allocator.free(block)
 
 
+def fork_blocks(allocator: BlockAllocator, block_table: list[int]) -> list[int]:
+    """A new sample of a request (``n > 1``) starts with the request's blocks: the same blocks, one more
+    holder each, no copy. The prompt's KV is computed once and stored once."""
+    for block in block_table:
+        allocator.share(block)
+    return list(block_table)
+
+
+def copy_on_write(allocator: BlockAllocator, block_table: list[int], index: int, new_block, copy_block):
+    """Make ``block_table[index]`` this sequence's own before it writes into it. A block other
+    sequences hold too (ref count > 1) is copied to a new block (``new_block()``, then
+    ``copy_block(src, dst)``) and let go; a block it holds alone is written in place."""
+    block = block_table[index]
+    if allocator.ref_counts[block] > 1:
+        copy = new_block()
+        copy_block(block, copy)
+        allocator.free(block)
+        block_table[index] = copy
+
+
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 

@@ -72,6 +72,7 @@ class LLMEngine:
                     if c.cpu_offload_blocks else None)
         kv = KVCacheManager(num_blocks, c.block_size, enable_prefix_caching=c.enable_prefix_caching,
                             cpu_tier=cpu_tier)
+        kv.copy_block = backend.copy_block  # copy-on-write (parallel samples, chapter 04)
         return kv, backend
 
     def _use_cuda_graphs(self) -> bool:
@@ -144,7 +145,9 @@ class LLMEngine:
                        "longest_prefix": (self.kv, "longest_prefix"),  # ch. 03: the cached run
                        "free_blocks_needed": (self.kv, "free_blocks_needed"),  # ch. 03: what admitting a hit costs
                        "hold_prefix_blocks": (self.kv, "hold_prefix_blocks"),  # ch. 03: share or reclaim
-                       "release_blocks": (self.kv, "release_blocks")}  # ch. 03: the order blocks go back
+                       "release_blocks": (self.kv, "release_blocks"),  # ch. 03: the order blocks go back
+                       "fork_blocks": (self.kv, "fork_blocks"),  # ch. 04: a sample starts on shared blocks
+                       "copy_on_write": (self.kv, "copy_on_write")}  # ch. 04: a shared block, written
         if self.connector is not None:
             points |= {"pack_blocks": (self.connector.server, "pack_blocks"),  # ch. 07: blocks -> the wire
                        "unpack_blocks": (self.connector, "unpack_blocks")}  # ch. 07: the wire -> other blocks
@@ -207,6 +210,12 @@ class LLMEngine:
             if need > self.kv.budget_bytes:
                 raise ValueError(f"this request reserves {need:,} bytes of KV (prompt + max_tokens), more than "
                                  f"kv_cache_memory_bytes={self.kv.budget_bytes:,}: lower max_tokens or raise the budget")
+        if params.n > 1:  # chapter 04: samples fork after the prompt and copy shared blocks on write
+            if not isinstance(self.kv, KVCacheManager) or params.kv_transfer_params is not None:
+                raise ValueError("n > 1 (parallel samples) needs kv_cache='paged' and no kv_transfer_params")
+            if params.n > self.config.max_num_seqs:
+                raise ValueError(f"n={params.n} samples need as many sequence slots: max_num_seqs is "
+                                 f"{self.config.max_num_seqs}")
         req = Request(prompt_token_ids, params, request_id, prompt, cache_salt)
         if not params.ignore_eos:
             req.all_stop_token_ids |= self.scheduler.eos_token_ids  # min_tokens holds EOS back too
@@ -270,7 +279,10 @@ class LLMEngine:
     def detokenize(self, requests: list[Request], out: SchedulerOutput):
         """New text for each request's new token; a stop string ends the request here."""
         for req in requests:
-            detok = self.detokenizers[req.request_id]
+            detok = self.detokenizers.get(req.request_id)
+            if detok is None:  # a sample forked from an n > 1 request (chapter 04): its first token
+                detok = self.detokenizers[req.request_id] = IncrementalDetokenizer(
+                    self.tokenizer, req.prompt_token_ids, req.params.stop, req.params.min_tokens)
             ids = req.output_token_ids
             if req.finish_reason == "stop":  # EOS or a stop token id ended it: the token stays, its text not (vLLM)
                 ids = ids[:-1]
@@ -298,7 +310,7 @@ class LLMEngine:
 
     def abort_requests(self, requests: list[Request], reason: str = "abort"):
         """Finish requests now (a client went away, ``generate`` was interrupted): their memory is freed."""
-        for req in requests:
+        for req in [*requests, *(sample for r in requests for sample in r.samples)]:  # n > 1: its samples too
             if not req.is_finished:
                 self.scheduler.finish(req, reason)
             self._forget(req)
@@ -345,7 +357,8 @@ class LLMEngine:
                              list(req.output_token_ids), req.finish_reason, req.metrics,
                              logprobs=None if req.params.logprobs is None else list(req.logprobs),
                              prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
-                             num_cached_tokens=req.num_cached_tokens, kv_transfer_params=req.kv_transfer_params)
+                             num_cached_tokens=req.num_cached_tokens, kv_transfer_params=req.kv_transfer_params,
+                             samples=[LLMEngine.output(sample) for sample in req.samples])
 
     def stats(self) -> dict:
         pd = {} if self.connector is None else {**self.connector.counters, "kv_requests_held": len(self.scheduler.held),

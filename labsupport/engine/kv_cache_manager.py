@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .block_pool import BlockAllocator, blocks_needed, free_blocks_needed, hold_prefix_blocks, release_blocks
+from .block_pool import (BlockAllocator, blocks_needed, copy_on_write, fork_blocks, free_blocks_needed,
+                         hold_prefix_blocks, release_blocks)
 from .prefix_cache import CPUTier, PrefixCache, chain_hashes, longest_prefix
 
 
@@ -64,6 +65,10 @@ class KVManager:
     def cache_full_blocks(self, req, num_tokens: int | None = None):
         """Offer the request's full blocks up to ``num_tokens`` (default: the computed ones) to other
         requests (prefix caching)."""
+
+    def fork(self, parent, child):
+        """``child`` (a sample of ``parent``, chapter 04) starts from the parent's KV."""
+        raise ValueError("parallel samples (n > 1) need kv_cache='paged': they share the prompt's blocks")
 
     def stats(self) -> dict:
         return {}
@@ -132,9 +137,11 @@ class KVCacheManager(KVManager):
     """Paged KV: block tables over one pool, with an optional prefix cache and CPU tier.
 
     ``chain_hashes`` and ``longest_prefix`` (chapter 03's warm-ups) and ``free_blocks_needed``,
-    ``hold_prefix_blocks`` and ``release_blocks`` (its hard exercise: admitting a prefix hit) are
+    ``hold_prefix_blocks`` and ``release_blocks`` (its hard exercise: admitting a prefix hit), and
+    ``fork_blocks`` and ``copy_on_write`` (chapter 04's: parallel samples sharing a prompt) are
     attributes so the attendee's own can be plugged in (``LLMEngine.plugged``); ``allocator``
-    likewise for chapter 02's.
+    likewise for chapter 02's. ``copy_block(src, dst)`` is the attention backend's: it copies a
+    block's K/V in every layer.
     """
 
     keeps_kv = True
@@ -146,12 +153,15 @@ class KVCacheManager(KVManager):
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
         self.cpu_tier = cpu_tier
         self.tables: dict[str, object] = {}  # request_id -> request holding blocks, for snapshots and checks
-        self.counters = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "cpu_tier_hits": 0}
+        self.counters = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "cpu_tier_hits": 0, "cow_copies": 0}
         self.chain_hashes = chain_hashes
         self.longest_prefix = longest_prefix
         self.free_blocks_needed = free_blocks_needed
         self.hold_prefix_blocks = hold_prefix_blocks
         self.release_blocks = release_blocks
+        self.fork_blocks = fork_blocks
+        self.copy_on_write = copy_on_write
+        self.copy_block = None  # set by the engine: the backend's block copy
 
     @property
     def num_blocks(self) -> int:
@@ -167,7 +177,13 @@ class KVCacheManager(KVManager):
         hit = hit or PrefixHit(block_size=self.block_size)
         tokens = req.num_computed_tokens + hit.num_tokens + num_new_tokens
         more = blocks_needed(tokens, self.block_size) - len(req.block_table)  # the hit's blocks included
-        return self.free_blocks_needed(self.allocator.ref_counts, hit.device_blocks, more) <= self.allocator.num_free
+        copies = len(self._shared_to_write(req))  # shared blocks this step writes into are copied first
+        return self.free_blocks_needed(self.allocator.ref_counts, hit.device_blocks, more) + copies <= self.allocator.num_free
+
+    def _shared_to_write(self, req) -> list[int]:
+        """Indexes of the request's blocks that its next tokens are written into and that others hold too."""
+        first = req.num_computed_tokens // self.block_size
+        return [i for i in range(first, len(req.block_table)) if self.allocator.ref_counts[req.block_table[i]] > 1]
 
     def _new_block(self) -> int:
         block = self.allocator.allocate()
@@ -178,6 +194,10 @@ class KVCacheManager(KVManager):
         return block
 
     def allocate(self, req, num_new_tokens, offer: bool = True):
+        for i in range(req.num_computed_tokens // self.block_size, len(req.block_table)):
+            before = req.block_table[i]  # a block this step writes into: the sequence's own first (chapter 04)
+            self.copy_on_write(self.allocator, req.block_table, i, self._new_block, self.copy_block)
+            self.counters["cow_copies"] += req.block_table[i] != before
         missing = blocks_needed(req.num_computed_tokens + num_new_tokens, self.block_size) - len(req.block_table)
         for _ in range(missing):
             req.block_table.append(self._new_block())
@@ -196,6 +216,13 @@ class KVCacheManager(KVManager):
         req.block_table = []
         req.block_hashes = []
         self.tables.pop(req.request_id, None)
+
+    def fork(self, parent, child):
+        """A sample of ``parent`` (``n > 1``) starts with its blocks, shared, and the hashes of the full
+        blocks it will not write into (it recomputes the prompt's last token, as every sample must)."""
+        child.block_table = self.fork_blocks(self.allocator, parent.block_table)
+        child.block_hashes = list(parent.block_hashes[:child.num_computed_tokens // self.block_size])
+        self.tables[child.request_id] = child
 
     def use_allocator(self, allocator):
         """Run the pool on another allocator (chapter 02's exercise); only while no request holds blocks."""

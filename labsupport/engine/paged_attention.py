@@ -100,6 +100,12 @@ class PagedAttention(AttentionBackend):
         self.k_pool = [torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_pool = [torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
 
+    def copy_block(self, src: int, dst: int):
+        """Copy block ``src``'s K/V into block ``dst`` in every layer (copy-on-write, chapter 04)."""
+        bs = self.block_size
+        for pool in (*self.k_pool, *self.v_pool):
+            pool[:, dst * bs:(dst + 1) * bs] = pool[:, src * bs:(src + 1) * bs]
+
     @property
     def pool_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k_pool + self.v_pool)

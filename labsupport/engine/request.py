@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 _INT64 = (-(1 << 63), (1 << 63) - 1)  # a seed is a signed 64-bit integer, as torch and vLLM take it
 MAX_LOGPROBS = 20  # the most alternatives per position, as OpenAI's top_logprobs allows
+MAX_SAMPLES = 256  # the most parallel samples (n) of one prompt
 
 
 def _is_int(x) -> bool:
@@ -50,6 +51,7 @@ class SamplingParams:
     logprobs: int | None = None  # per output token: its logprob and the top-k's (k in [0, 20]); None: none
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     kv_transfer_params: dict | None = None  # PD (chapter 07): do_remote_decode / do_remote_prefill and where
+    n: int = 1  # parallel samples of one prompt (chapter 04): forked after the prompt, blocks copied on write
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens <= 0:
@@ -92,6 +94,11 @@ class SamplingParams:
         self.top_k, self.min_tokens, self.stop_token_ids = int(self.top_k), int(self.min_tokens), [int(t) for t in ids]
         if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
             raise ValueError(f"kv_transfer_params must be a dict or None, got {self.kv_transfer_params!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_SAMPLES:
+            raise ValueError(f"n must be an integer in [1, {MAX_SAMPLES}] (samples of the prompt), got {self.n!r}")
+        self.n = int(self.n)
+        if self.seed is not None and self.seed + self.n - 1 > _INT64[1]:
+            raise ValueError(f"sample i is drawn with seed + i: seed + n - 1 must fit in 64 bits, got seed={self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -176,6 +183,26 @@ class Request:
         self.kv_transfer_params: dict | None = None  # PD: where the next engine fetches this request's KV
         self.kv_load_done = False  # PD: its remote KV arrived (or failed and is recomputed): load no more
         self.num_external_tokens = 0  # PD: prompt tokens whose KV another engine computed (part of num_cached_tokens)
+        self.samples: list[Request] = []  # n > 1: the other samples, forked from this one after its prompt
+        self.parent: Request | None = None  # a forked sample: the request it was forked from
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences this request will occupy: n until it has forked, then 1 (each sample is its own)."""
+        return self.params.n if self.params.n > 1 and not self.samples else 1
+
+    def fork(self, index: int) -> "Request":
+        """Sample ``index`` of an ``n > 1`` request: the same prompt, its own seed (``seed + index``, as
+        vLLM does, or every sample would be the same draw) and id (``index_parentid``, vLLM's form).
+        The caller gives it the prompt's KV (shared blocks) and puts it in the batch."""
+        seed = None if self.params.seed is None else self.params.seed + index
+        params = dataclasses.replace(self.params, n=1, seed=seed)
+        child = Request(self.prompt_token_ids, params, f"{index}_{self.request_id}", self.prompt, self.cache_salt)
+        child.parent, child.all_stop_token_ids = self, set(self.all_stop_token_ids)
+        child.metrics.arrival_time = self.metrics.arrival_time
+        child.metrics.first_scheduled_time = self.metrics.first_scheduled_time
+        child.num_cached_tokens = self.num_cached_tokens
+        return child
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -216,6 +243,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token; the first is None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (or another engine)
     kv_transfer_params: dict | None = None  # PD: a prefill worker's answer says where its KV waits
+    samples: list["RequestOutput"] = field(default_factory=list)  # n > 1: samples 1 .. n-1 (this is sample 0)
 
     @property
     def finished(self) -> bool:
@@ -231,8 +259,8 @@ class RequestOutput:
 
     @property
     def outputs(self):
-        """vLLM shape: ``out.outputs[0].text`` works as in vLLM."""
-        return [self]
+        """vLLM shape: ``out.outputs[i].text``, one per sample (``n``), works as in vLLM."""
+        return [self, *self.samples]
 
     @property
     def ttft(self):

@@ -162,8 +162,8 @@ class Scheduler:
         if self.config.scheduling_policy == "static" and self.running:
             return out                                  # the baseline: nobody joins a batch in flight
         # 2. then the queue, in arrival order, while a slot, the budget and the blocks allow
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        while self.waiting and self.num_running_seqs() + self.waiting[0].num_seqs <= self.config.max_num_seqs:
+            req = self.waiting[0]                       # (num_seqs: n for a request that will fork, else 1)
             if req.block_table:                         # its KV came from another engine (chapter 07)
                 n = self.num_new_tokens(req, budget, out)
                 if n == 0 or not self.kv.can_allocate(req, n):
@@ -253,6 +253,8 @@ class Scheduler:
             if start + n < req.num_tokens:
                 continue  # a prompt chunk: more to feed before the next token
             req.output_token_ids.append(token)
+            if req.num_seqs > 1:
+                self.fork_samples(req)                  # n > 1: the prompt is computed, the samples start
             if token_logprobs is not None:
                 req.logprobs.append(token_logprobs)
             req.metrics.token_times.append(now)
@@ -264,6 +266,21 @@ class Scheduler:
                 self.finish(req, reason)
                 out.finished.append(req)
         return got_token
+
+    def fork_samples(self, req: Request):
+        """``n > 1``: the prompt's KV is computed (once), so samples 1 .. n-1 start now from the same blocks,
+        shared. Each recomputes the prompt's last token to draw its own first token (the logits of that
+        position are gone), and that write is the first copy-on-write of the shared last block."""
+        for i in range(1, req.params.n):
+            child = req.fork(i)
+            child.num_computed_tokens = len(req.prompt_token_ids) - 1
+            self.kv.fork(req, child)
+            child.status = RequestStatus.RUNNING
+            req.samples.append(child)
+            self.running.append(child)
+
+    def num_running_seqs(self) -> int:
+        return sum(r.num_seqs for r in self.running)
 
     @staticmethod
     def record_prompt_logprobs(out: SchedulerOutput, sampled: list[int]):

@@ -23,6 +23,7 @@ from html import escape
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
            "#8c564b", "#e377c2", "#bcbd22", "#17becf", "#393b79"]
 FREE = "#e4e4e4"
+ORPHAN = "#555555"  # held by nobody: a leaked block
 CACHED = f"radial-gradient(#777 0.8px, transparent 1.2px) 0 0 / 4px 4px, {FREE}"
 
 # One stylesheet per map instead of per-block inline styles keeps a 2,000-block map small.
@@ -201,7 +202,8 @@ class BlockMap:
 def plot_block_map(snapshot, title="KV block pool", columns=32, ax=None, colors=None):
     """The same picture as a static matplotlib figure (for decks and saved notebooks): one square
     per block in the owner's colour, a thick black edge and the ref count on shared blocks, dotted
-    grey for cached free blocks, the unfilled top of a partly filled block left pale."""
+    grey for cached free blocks, the unfilled top of a partly filled block left pale, and dark grey for
+    a block that is held (ref count > 0) by no request: a leak, which a live engine should never show."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch, Rectangle
 
@@ -216,11 +218,11 @@ def plot_block_map(snapshot, title="KV block pool", columns=32, ax=None, colors=
         _, ax = plt.subplots(figsize=(min(12, 0.32 * columns + 1), 0.32 * rows + 1.6))
     for b, (who, n, hit, filled) in enumerate(zip(owners, refs, cached, tokens)):
         x, y = b % columns, -(b // columns)
-        color = colors[who[0]] if n and who else FREE
+        color = colors[who[0]] if n and who else (ORPHAN if n else FREE)
         ax.add_patch(Rectangle((x, y), 0.9, 0.9, facecolor=color, hatch="...." if hit and not n else None,
                                edgecolor="black" if n > 1 else ("#666" if hit and not n else "none"),
                                linewidth=2 if n > 1 else 0.8, linestyle="--" if hit and not n else "-"))
-        if n and filled is not None and filled < size:  # the unfilled part of the block, veiled
+        if n and who and filled is not None and filled < size:  # the unfilled part of the block, veiled
             ax.add_patch(Rectangle((x, y + 0.9 * filled / size), 0.9, 0.9 * (size - filled) / size,
                                    facecolor="white", alpha=0.6, edgecolor="none"))
         if n > 1:
@@ -242,6 +244,8 @@ def plot_block_map(snapshot, title="KV block pool", columns=32, ax=None, colors=
                                                    label="shared (ref count)")]
     if snapshot.get("cached") is not None:
         handles.append(Patch(facecolor=FREE, hatch="....", edgecolor="#666", linestyle="--", label="cached, reusable"))
+    if any(n and not who for who, n in zip(owners, refs)):
+        handles.append(Patch(facecolor=ORPHAN, label="held, no request owns it"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0, 0), ncols=min(6, len(handles)), fontsize=7,
               frameon=False)
     return ax.figure
