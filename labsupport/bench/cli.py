@@ -1,4 +1,4 @@
-"""``python -m labsupport bench {compare,roofline,profile,serve}``: the measuring subcommands.
+"""``python -m labsupport bench {compare,roofline,profile,serve,course-table}``: the measuring subcommands.
 
 ``python -m labsupport bench --workload ...`` (flat flags, chapters 04-05) stays as it was:
 ``__main__`` sends argv here only when the word after ``bench`` is one of ``SUBCOMMANDS``, so
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-SUBCOMMANDS = ("compare", "roofline", "profile", "serve")
+SUBCOMMANDS = ("compare", "roofline", "profile", "serve", "course-table")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     from . import serve_cli  # its own --model: the served name, not a folder
     serve_cli.add_arguments(sub.add_parser("serve", help="load-test any OpenAI-compatible server over HTTP "
                                                          "(ours or vllm serve), like vllm bench serve"))
+    from . import course_table
+    course_table.add_arguments(sub.add_parser("course-table", help="every chapter's server on one workload, one "
+                                                                    "client, one price: what each chapter bought"))
     return parser
 
 
@@ -38,6 +41,9 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from .roofline import warn_if_busy
     try:
+        if args.subcommand == "course-table":  # records the busy check in its JSON
+            from .course_table import main as table_main
+            return table_main(args)
         if args.subcommand == "serve":  # the server under test shares the machine: no busy check
             from .serve_cli import main as serve_main
             return serve_main(args)

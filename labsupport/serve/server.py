@@ -48,6 +48,10 @@ def add_serve_arguments(srv):
     srv.add_argument("--enable-chunked-prefill", action="store_true")
     srv.add_argument("--long-prefill-token-threshold", type=int, default=0)
     srv.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    srv.add_argument("--scheduling-policy", default="continuous", choices=["continuous", "static"],
+                     help="static: chapter 04's baseline (a batch admitted together, held until it drains)")
+    srv.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                     help="the KV budget in bytes (paged: the pool's size; contiguous: a cap on what is reserved)")
     srv.add_argument("--max-waiting-requests", type=int, default=1024,
                      help="requests waiting for a slot beyond this get 429 (0: no waiting at all)")
     srv.add_argument("--max-request-body-bytes", type=int, default=4 << 20, help="larger bodies get 413")
@@ -129,7 +133,8 @@ def engine_options(args) -> dict:
     return dict(kv_transfer_config=kv_transfer_config(args),
                 enable_prefix_caching=args.enable_prefix_caching and args.kv_cache == "paged",  # needs blocks
                 enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
-                long_prefill_token_threshold=args.long_prefill_token_threshold)
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+                scheduling_policy=args.scheduling_policy, kv_cache_memory_bytes=args.kv_cache_memory_bytes)
 
 
 def run_server(llm, args) -> int:

@@ -1,0 +1,157 @@
+"""``bench course-table``: the table the notebooks show, the server flags behind each row, and one real
+quick measurement of two rows on loopback (prefix caching off and on)."""
+import copy
+import json
+import math
+
+import pytest
+
+from labsupport.bench import course_table as ct
+from labsupport.viz import course_table as view
+
+
+@pytest.fixture(scope="module")
+def saved():
+    return view.load()
+
+
+def test_saved_run_has_every_chapter_the_price_and_the_slos(saved):
+    assert [r["chapter"] for r in saved["rows"]] == list(ct.ROW_IDS)
+    assert saved["usd_per_hour"] > 0 and set(saved["slo_ms"]) == {"ttft", "tpot"}
+    assert saved["machine"]["cores"] and saved["machine"]["torch"] and saved["machine"]["device"] == "cpu"
+    assert saved["sizes"]["kv_bytes"] == saved["sizes"]["kv_blocks"] * saved["sizes"]["block_size"] * \
+        saved["sizes"]["kv_bytes_per_token"]
+    for r in saved["rows"]:
+        if "capacity" in r:  # measured (vLLM may be skipped, with its reason)
+            assert r["capacity"]["output_tokens"] == r["capacity"]["requested_tokens"]
+            assert r["capacity"]["completed"] == r["capacity"]["requests"]
+        else:
+            assert r["skipped"] and "not measured" in r["note"]
+
+
+def test_show_lists_rows_up_to_the_chapter_and_highlights_it(saved):
+    table = view.show_course_table("03")
+    assert [c[0] for c in table.cells] == ["00", "01", "02", "03"]  # later chapters left out
+    md, html = table.markdown, table._repr_html_()
+    assert "| **03** | **multi-level cache** |" in md and "**02**" not in md
+    assert html.count("background:#fff3c4") == 1
+    highlighted = html.split("background:#fff3c4")[1].split("</tr>")[0]
+    assert "multi-level cache" in highlighted
+    assert f"${saved['usd_per_hour']:.2f}/hour" in table.caption and saved["date"] in table.caption
+    assert len(view.show_course_table(8).cells) == 9 and view.show_course_table(0).cells[0][1] == "from model to API"
+
+
+def test_tails_are_called_max_below_100_samples(saved):
+    assert ct.ttft_tail_of([float(i) for i in range(99)]) == ("max", 98.0)
+    label, value = ct.ttft_tail_of([float(i) for i in range(100)])
+    assert label == "P99" and value == pytest.approx(98.01)
+    for r in saved["rows"]:
+        for run in (r.get(k) for k in ("bursty", "poisson")):
+            if run:
+                assert run["ttft_tail_label"] == ("P99" if run["completed"] >= 100 else "max")
+    small = copy.deepcopy(saved)
+    small["rows"][0]["bursty"].update(ttft_tail_label="max", ttft_tail_ms=1234.0)
+    assert "1234 (max)" in view.show_course_table("00", small).markdown
+
+
+def test_plot_has_one_cost_bar_and_one_goodput_bar_per_chapter_shown(saved):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    fig = view.plot_course_table("04")
+    cost_ax, good_ax = fig.axes[0], fig.axes[1]
+    assert [t.get_text().split("\n")[0] for t in cost_ax.get_xticklabels()] == ["00", "01", "02", "03", "04"]
+    assert len(cost_ax.patches) == 5 and len(good_ax.patches) == 5
+    heights = [p.get_height() for p in cost_ax.patches]
+    assert heights == pytest.approx([r["capacity"]["usd_per_mtok"] for r in saved["rows"][:5]])
+    colors = [p.get_facecolor() for p in cost_ax.patches]
+    assert colors[-1] != colors[0]  # this chapter's bar stands out
+    plt.close(fig)
+
+
+class _Captured(Exception):
+    pass
+
+
+def engine_options_of(monkeypatch, args: list[str]) -> dict:
+    """What ``python -m labsupport serve ARGS`` hands the engine (the model is never loaded)."""
+    import labsupport
+    from labsupport.__main__ import main
+    seen = {}
+
+    def fake_llm(**kwargs):
+        seen.update(kwargs)
+        raise _Captured
+
+    monkeypatch.setattr(labsupport, "LLM", fake_llm)
+    with pytest.raises(_Captured):
+        main(["serve", *args])
+    return seen
+
+
+def test_each_row_runs_the_server_flags_it_claims(monkeypatch):
+    s = ct.Sizes(kv_bytes_per_token=46080)
+    for row in ct.rows():
+        if row.kind == "vllm":
+            args = ct.server_args(row, s)
+            assert "--enable-prefix-caching" in args and "--enable-chunked-prefill" in args
+            assert args[args.index("--num-gpu-blocks-override") + 1] == str(s.kv_blocks + 1)  # vLLM's null block
+            assert args[args.index("--max-num-seqs") + 1] == str(s.max_num_seqs)
+            continue
+        got = engine_options_of(monkeypatch, ct.server_args(row, s))
+        for key, value in row.engine.items():
+            assert got[key] == value, (row.chapter, key)
+        assert got["kv_cache_memory_bytes"] == s.kv_bytes and got["max_num_seqs"] == s.max_num_seqs
+        assert got["block_size"] == s.block_size and got["enable_result_cache"] is False
+        assert got["max_num_batched_tokens"] == (s.chunk_tokens if row.engine.get("enable_chunked_prefill") else 8192)
+
+
+def test_each_row_adds_its_own_chapter_idea_to_the_one_before():
+    ours = {r.chapter: r.engine for r in ct.rows() if r.kind != "vllm"}
+
+    def diff(a, b):
+        return {k: ours[b].get(k) for k in set(ours[a]) | set(ours[b]) if ours[a].get(k) != ours[b].get(k)}
+
+    assert diff("00", "01") == {"kv_cache": "contiguous"} and diff("01", "02") == {"kv_cache": "paged"}
+    assert diff("02", "03") == {"enable_prefix_caching": True}
+    assert diff("03", "04") == {"scheduling_policy": "continuous"}
+    assert diff("04", "05") == {"enable_chunked_prefill": True}
+    assert diff("05", "06") == {} and diff("06", "07") == {}  # 06: the same server; 07: split across processes
+    assert [r.kind for r in ct.rows()][-2:] == ["pd", "vllm"]
+
+
+def test_workload_shares_the_system_prompt_and_never_repeats_a_question(llm):
+    s = ct.Sizes(num_requests=12)
+    a, b = ct.workload(llm.tokenizer, s, 0), ct.workload(llm.tokenizer, s, 1)
+    assert len({r.prompt for r in a + b}) == 24  # no exact repeats: a result cache could only miss
+    system = a[0].prompt.split("\nEmployee question")[0]
+    assert all(r.prompt.startswith(system) for r in a + b)
+    assert s.system_tokens <= len(llm.tokenizer.encode(system)) <= s.system_tokens + 80
+    assert {r.output_len for r in a} <= set(s.output_lens)
+    assert [r.prompt for r in ct.workload(llm.tokenizer, s, 0)] == [r.prompt for r in a]  # seeded
+
+
+@pytest.mark.slow
+def test_quick_run_of_two_rows_on_loopback(tmp_path):
+    """Rows 02 (paged) and 03 (+ prefix caching) measured for real through the command line."""
+    from labsupport.__main__ import main
+    out = tmp_path / "t.json"
+    argv = ["bench", "course-table", "--quick", "--rows", "02,03", "--json", str(out)]
+    assert main(argv) == 0
+    t = json.loads(out.read_text())
+    rows = {r["chapter"]: r for r in t["rows"]}
+    assert list(rows) == ["02", "03"] and t["usd_per_hour"] == 0.10
+    for r in rows.values():
+        for name in ("capacity", "bursty"):
+            run = r[name]
+            assert run["completed"] == run["requests"] == ct.QUICK.num_requests and not run["errors"]
+            assert run["output_tokens"] == run["requested_tokens"]  # ignore_eos: every token asked for
+            assert 0 <= run["slo_attainment"] <= 1 and run["ttft_tail_label"] == "max"
+            assert run["ttft_p50_ms"] <= run["ttft_tail_ms"]
+        assert r["bursty"]["goodput_req_s"] <= ct.QUICK.rate + 1e-9
+        cap = r["capacity"]
+        assert cap["usd_per_mtok"] == pytest.approx(0.10 / 3600 / cap["output_tok_s"] * 1e6)
+    assert rows["02"]["bursty"]["prefix_cache_hit_rate"] == 0.0
+    assert rows["03"]["bursty"]["prefix_cache_hit_rate"] > 0.3  # the shared system prompt
+    assert "capacity_vs_00" not in rows["02"] and not math.isnan(rows["03"]["capacity"]["output_tok_s"])
+    table = view.show_course_table("03", t)
+    assert [c[0] for c in table.cells] == ["02", "03"]
