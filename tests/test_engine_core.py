@@ -190,7 +190,7 @@ def test_random_workloads_keep_every_invariant_and_the_reference_tokens(options,
             assert req.output_token_ids == reference_output(req.prompt_token_ids, req.params, longest)
     counters = kv.counters
     if kv.prefix_cache is None:
-        assert counters == {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "cpu_tier_hits": 0}
+        assert counters == {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "cpu_tier_hits": 0, "cow_copies": 0}
     assert counters["prefix_cache_hits"] <= counters["prefix_cache_queries"]
 
 
@@ -219,7 +219,7 @@ def test_a_shared_prefix_is_counted_once_per_first_admission():
     reqs = [Request(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), request_id=f"r{i}")
             for i in range(2)]
     drive(s, runner, reqs)
-    assert kv.counters == {"prefix_cache_queries": 26, "prefix_cache_hits": 12, "cpu_tier_hits": 0}
+    assert kv.counters == {"prefix_cache_queries": 26, "prefix_cache_hits": 12, "cpu_tier_hits": 0, "cow_copies": 0}
     assert reqs[0].output_token_ids == reqs[1].output_token_ids
 
 
