@@ -1,6 +1,6 @@
 """Command line: ``python -m labsupport {generate,chat,serve,router,prepare,bench}``.
 
-``bench compare|roofline|profile|serve|course-table`` are handed to ``labsupport.bench.cli`` before this parser
+``bench compare|roofline|profile|serve|course-table|spec|roofline-lab|quant`` are handed to ``labsupport.bench.cli`` before this parser
 runs; plain ``bench --workload ...`` is parsed here, as in chapters 04-05.
 """
 from __future__ import annotations
@@ -36,9 +36,11 @@ def main(argv=None):
     add_serve_arguments(srv)
     sub.add_parser("prepare", help="convert the embedded default model once (make lab does this)")
     bench = sub.add_parser("bench", help="run a synthetic workload through the engine and print serving metrics",
-                           epilog="subcommands: bench compare | roofline | profile | serve | course-table (each with "
-                                  "--help): ours vs transformers vs vLLM, the machine's roofline, our engine under the "
-                                  "profiler, a load generator for any OpenAI-compatible server, what each chapter bought")
+                           epilog="subcommands: bench compare | roofline | profile | serve | course-table | spec | roofline-lab | quant "
+                                  "(each with --help): ours vs transformers vs vLLM, the machine's roofline, our engine "
+                                  "under the profiler, a load generator for any OpenAI-compatible server, what each "
+                                  "chapter bought, speculative decoding, the engine's steps on the roofline, weight "
+                                  "quantization judged on a task set")
     bench.add_argument("--workload", default="poisson", choices=["poisson", "long-prompts"],
                        help="poisson: seeded Poisson arrivals; long-prompts: --num-requests short requests decoding, "
                             "--num-long long prompts arriving among them (chapter 05)")

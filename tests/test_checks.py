@@ -727,3 +727,56 @@ def test_a_copy_on_write_that_never_copies_corrupts_the_engine_samples():
     with llm.plugged(copy_on_write=cow_never_copies):
         bad = [o.token_ids for o in llm.generate(chat, params, use_tqdm=False)[0].outputs]
     assert bad != good and llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+# ---- chapter 09's exercise: the acceptance rule of speculative decoding --------------------------
+
+def _rule(accept="ratio", residual="residual", bonus=True, use_q=True, recovered="draw"):
+    """Planted acceptance rules, each one mistake away from spec_decode.rejection_sample."""
+    def rule(target_probs, guesses, draft_probs, generator=None):
+        out = []
+        for j, d in enumerate(guesses):
+            p = target_probs[j]
+            q = draft_probs[j] if draft_probs is not None and use_q else torch.nn.functional.one_hot(
+                torch.tensor(d), p.shape[-1]).float()
+            u = float(torch.rand((), generator=generator))
+            ok = {"ratio": u < float(p[d]) / max(float(q[d]), 1e-12), "always": True,
+                  "p>q": float(p[d]) >= float(q[d]), "inverted": u < float(q[d]) / max(float(p[d]), 1e-12)}[accept]
+            if ok:
+                out.append(d)
+                continue
+            if recovered == "guess":
+                out.append(d)
+                return out
+            r = (p - q).clamp(min=0) if residual == "residual" else p
+            r = r if float(r.sum()) > 0 else p
+            out.append(int(torch.multinomial(r / r.sum(), 1, generator=generator)))
+            return out
+        if bonus:
+            out.append(int(torch.multinomial(target_probs[len(guesses)], 1, generator=generator)))
+        return out
+    return rule
+
+
+def test_reference_acceptance_rule_passes_and_runs_in_the_engine():
+    from labsupport import LLM
+    from labsupport.engine.spec_decode import rejection_sample
+
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    llm = LLM(device="cpu", num_blocks=64, speculative_config=spec)
+    checks.check_acceptance_rule(rejection_sample, llm, trials=4000)
+    checks.check_acceptance_rule(_rule(), trials=4000)  # the planted family's own right member
+
+
+@pytest.mark.parametrize("wrong", [
+    _rule(accept="always"),        # every guess accepted: fast and wrong
+    _rule(accept="p>q"),           # deterministic acceptance: greedy right, sampling skewed
+    _rule(accept="inverted"),      # q / p instead of p / q
+    _rule(residual="p"),           # resamples from p: the rejected token comes back too often
+    _rule(bonus=False),            # no bonus token after all guesses survive
+    _rule(use_q=False),            # ignores the draft's distribution
+    _rule(recovered="guess"),      # emits the rejected guess
+])
+def test_planted_wrong_acceptance_rule_fails(wrong):
+    with pytest.raises(checks.CheckFailed):
+        checks.check_acceptance_rule(wrong, trials=4000)

@@ -303,9 +303,26 @@ def vllm_metrics_dir() -> Path | None:
 
 
 def vllm_definitions(loggers: Path) -> tuple[set[str], dict[str, dict]]:
-    """Every ``vllm:`` metric name in vLLM's Prometheus logger, and for those made with a literal
-    name: type, help, label names and bucket family."""
-    tree = ast.parse(loggers.read_text())
+    """Every ``vllm:`` metric name in vLLM's Prometheus logger (and its speculative-decoding metrics,
+    ``v1/spec_decode/metrics.py``, diffusion names aside), and for those made with a literal name:
+    type, help, label names and bucket family."""
+    names, defs = _definitions(ast.parse(loggers.read_text()))
+    spec = loggers.parents[1] / "spec_decode" / "metrics.py"
+    if spec.exists():
+        tree = ast.parse(spec.read_text())
+        spec_names, spec_defs = _definitions(tree)
+        names |= {n for n in spec_names if n.startswith("spec_decode_")}
+        defs |= spec_defs
+        for node in ast.walk(tree):  # the three made in a loop from (name, help) pairs
+            if (isinstance(node, ast.Tuple) and len(node.elts) == 2
+                    and all(isinstance(e, ast.Constant) for e in node.elts)
+                    and str(node.elts[0].value).startswith("vllm:spec_decode_")):
+                defs[node.elts[0].value[len("vllm:"):]] = {"type": "counter", "help": node.elts[1].value,
+                                                           "labels": {"model_name", "engine"}, "family": None}
+    return names, defs
+
+
+def _definitions(tree) -> tuple[set[str], dict[str, dict]]:
     names = {node.value[len("vllm:"):] for node in ast.walk(tree)
              if isinstance(node, ast.Constant) and isinstance(node.value, str)
              and re.fullmatch(r"vllm:\w+", node.value)}
@@ -370,6 +387,10 @@ def test_names_types_help_labels_and_buckets_equal_vllms():
         if d["help"] is not None:
             family = next(f for f in metrics.registry.collect() if f.name == PREFIX + name)
             assert family.documentation == d["help"], name
+        if name == "spec_decode_num_accepted_tokens_per_pos":  # its children appear once a position counts
+            family = next(f for f in metrics.registry.collect() if f.name == PREFIX + name)
+            assert not family.samples or set(family.samples[0].labels) == d["labels"]
+            continue
         sample = next(line for line in body.splitlines()
                       if re.match(rf"{re.escape(PREFIX + name)}(_total|_bucket)?{{", line))
         assert set(re.findall(r'(\w+)="', sample.split("{", 1)[1])) - {"le"} == d["labels"], name

@@ -1,4 +1,5 @@
-"""``python -m labsupport bench {compare,roofline,profile,serve,course-table}``: the measuring subcommands.
+"""``python -m labsupport bench {compare,roofline,profile,serve,course-table,spec,roofline-lab,quant}``: the measuring
+subcommands (the last three are chapter 09's).
 
 ``python -m labsupport bench --workload ...`` (flat flags, chapters 04-05) stays as it was:
 ``__main__`` sends argv here only when the word after ``bench`` is one of ``SUBCOMMANDS``, so
@@ -9,7 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-SUBCOMMANDS = ("compare", "roofline", "profile", "serve", "course-table")
+SUBCOMMANDS = ("compare", "roofline", "profile", "serve", "course-table", "spec", "roofline-lab", "quant")
+OWN_PARSERS = {"roofline-lab": "roofline_lab", "quant": "quant"}  # chapter 09's: they parse their own flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,10 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
     from . import course_table
     course_table.add_arguments(sub.add_parser("course-table", help="every chapter's server on one workload, one "
                                                                     "client, one price: what each chapter bought"))
+    from . import spec_bench
+    spec_bench.add_arguments(sub.add_parser("spec", help="speculative decoding: acceptance and speed-up against k, "
+                                                         "temperature, traffic and batch size"))
     return parser
 
 
 def main(argv: list[str]) -> int:
+    if argv and argv[0] in OWN_PARSERS:
+        import importlib
+        return importlib.import_module(f".{OWN_PARSERS[argv[0]]}", __package__).main(argv[1:]) or 0
     args = build_parser().parse_args(argv)
     from .roofline import warn_if_busy
     try:
@@ -49,6 +57,9 @@ def main(argv: list[str]) -> int:
             return serve_main(args)
         if args.subcommand != "compare":  # compare checks, and records it in its JSON
             warn_if_busy()
+        if args.subcommand == "spec":
+            from .spec_bench import main as spec_main
+            return spec_main(args)
         if args.subcommand == "compare":
             from .compare import main as compare_main
             return compare_main(args, ["bench", *argv])

@@ -5,6 +5,7 @@ what differs and where to look.
 The tests prove every check passes the reference solution (taken from the chapter notebook
 itself) and fails planted wrong implementations, so a check can never be a rubber stamp.
 """
+from .acceptance import check_acceptance_rule
 from .admission import check_admission
 from .base import CheckFailed, first_difference, passed
 from .copy_on_write import check_copy_on_write
@@ -22,4 +23,4 @@ __all__ = ["CheckFailed", "first_difference", "passed", "check_greedy_generate",
            "check_slot_mapping", "check_block_allocator", "check_paged_read", "check_chain_hashes", "check_longest_prefix",
            "check_prefix_admission", "check_leak_finder", "planted_bug", "LEAK_ANSWERS", "admission_scenario",
            "check_schedule", "check_chunk_rule", "check_admission", "check_copy_on_write", "check_goodput", "check_pack_blocks", "check_unpack_blocks",
-           "check_kv_handoff", "check_disagg_request"]
+           "check_kv_handoff", "check_disagg_request", "check_acceptance_rule"]

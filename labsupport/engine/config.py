@@ -51,6 +51,7 @@ class EngineConfig:
     scheduling_policy: str = "continuous"  # or "static": the baseline of chapter 04
     enforce_eager: bool = False  # GPU: True launches every kernel from Python (no CUDA graphs for decode)
     kv_transfer_config: dict | None = None  # chapter 07: a KV connector, as vLLM's --kv-transfer-config
+    speculative_config: dict | None = None  # chapter 09: {"method": "ngram"|"draft_model", ...}, as vLLM's
 
     def __post_init__(self):
         if self.kv_cache not in ("paged", "contiguous", "none"):
@@ -82,6 +83,12 @@ class EngineConfig:
         if self.kv_transfer_config is not None and (not isinstance(self.kv_transfer_config, dict)
                                                     or self.kv_cache != "paged"):
             raise ValueError("kv_transfer_config must be a dict (vLLM's --kv-transfer-config) and needs kv_cache='paged'")
+        if self.speculative_config is not None:
+            from .spec_decode import check_speculative_config
+            self.speculative_config = check_speculative_config(self.speculative_config)
+            if self.kv_cache != "paged" or self.kv_transfer_config is not None:
+                raise ValueError("speculative decoding needs kv_cache='paged' (guesses are verified through the "
+                                 "paged KV cache) and no kv_transfer_config")
         if self.cpu_offload_blocks and not self.enable_prefix_caching:
             raise ValueError("cpu_offload_blocks needs enable_prefix_caching=True: the CPU tier holds cached blocks")
 

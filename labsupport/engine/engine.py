@@ -29,6 +29,7 @@ from .request import Request, RequestOutput, SamplingParams
 from .runner import ModelRunner
 from .cuda_graphs import DecodeGraphs
 from .scheduler import Scheduler, SchedulerOutput
+from .spec_decode import DraftModelProposer, Speculator
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class LLMEngine:
             from ..pd.connector import make_connector
             self.connector = self.scheduler.connector = self.backend.connector = make_connector(
                 self.config.kv_transfer_config, self.backend)
+        self.speculator = self._make_speculator() if self.config.speculative_config else None  # chapter 09
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
         self.last_step: SchedulerOutput | None = None
@@ -74,6 +76,21 @@ class LLMEngine:
                             cpu_tier=cpu_tier)
         kv.copy_block = backend.copy_block  # copy-on-write (parallel samples, chapter 04)
         return kv, backend
+
+    def _make_speculator(self) -> Speculator:
+        """Prompt lookup needs nothing more; a draft model gets its own KV pool with the target's block ids."""
+        spec = self.config.speculative_config
+        if spec["method"] == "ngram":
+            return Speculator(spec, self.kv)
+        dtype = next(self.model.parameters()).dtype
+        draft, _, _ = load_model(spec["model"], self.device, dtype)
+        cfg = draft.config
+        if cfg.vocab_size != self.model.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({cfg.vocab_size} tokens) differs from the target's "
+                             f"({self.model.config.vocab_size}): choose a draft of the same tokenizer")
+        pool = PagedAttention(cfg.num_layers, self.backend.num_blocks, self.config.block_size, cfg.num_kv_heads,
+                              cfg.head_dim, dtype, self.device)
+        return Speculator(spec, self.kv, DraftModelProposer(draft, pool, self.runner.sampler))
 
     def _use_cuda_graphs(self) -> bool:
         """Decode steps replay CUDA graphs on a GPU with the Triton kernel, unless ``enforce_eager``."""
@@ -148,6 +165,8 @@ class LLMEngine:
                        "release_blocks": (self.kv, "release_blocks"),  # ch. 03: the order blocks go back
                        "fork_blocks": (self.kv, "fork_blocks"),  # ch. 04: a sample starts on shared blocks
                        "copy_on_write": (self.kv, "copy_on_write")}  # ch. 04: a shared block, written
+        if self.speculator is not None:
+            points["rejection_sample"] = (self.runner, "rejection_sample")  # ch. 09: the acceptance rule
         if self.connector is not None:
             points |= {"pack_blocks": (self.connector.server, "pack_blocks"),  # ch. 07: blocks -> the wire
                        "unpack_blocks": (self.connector, "unpack_blocks")}  # ch. 07: the wire -> other blocks
@@ -213,6 +232,8 @@ class LLMEngine:
         if params.n > 1:  # chapter 04: samples fork after the prompt and copy shared blocks on write
             if not isinstance(self.kv, KVCacheManager) or params.kv_transfer_params is not None:
                 raise ValueError("n > 1 (parallel samples) needs kv_cache='paged' and no kv_transfer_params")
+            if self.speculator is not None:
+                raise ValueError("n > 1 (parallel samples) and speculative decoding do not go together here")
             if params.n > self.config.max_num_seqs:
                 raise ValueError(f"n={params.n} samples need as many sequence slots: max_num_seqs is "
                                  f"{self.config.max_num_seqs}")
@@ -268,6 +289,8 @@ class LLMEngine:
             sampled = self.runner.execute(out)                            # mechanism: one forward pass
             got_token = self.scheduler.update_from_output(out, sampled)  # the one writer of request state
             self.detokenize(got_token, out)                               # new text, stop strings
+            if self.speculator is not None:                               # chapter 09: the next guesses
+                self.speculator.propose([r for r in got_token if not r.is_finished], self.scheduler.longest)
         except BaseException as exc:
             self._fail_step(out, exc)
             raise
@@ -283,10 +306,16 @@ class LLMEngine:
             if detok is None:  # a sample forked from an n > 1 request (chapter 04): its first token
                 detok = self.detokenizers[req.request_id] = IncrementalDetokenizer(
                     self.tokenizer, req.prompt_token_ids, req.params.stop, req.params.min_tokens)
-            ids = req.output_token_ids
-            if req.finish_reason == "stop":  # EOS or a stop token id ended it: the token stays, its text not (vLLM)
-                ids = ids[:-1]
-            _, stopped = detok.update(ids, flush=req.is_finished)
+            total = len(req.output_token_ids)
+            stopped = False
+            for upto in range(total - max(1, req.num_new_output_tokens) + 1, total + 1):  # several: chapter 09
+                ids = req.output_token_ids[:upto]
+                if upto == total and req.finish_reason == "stop":  # EOS or a stop token id: its text is not shown (vLLM)
+                    ids = ids[:-1]
+                _, stopped = detok.update(ids, flush=req.is_finished and upto == total)
+                if stopped:  # accepted guesses past a stop string: plain decoding would never have made them
+                    del req.output_token_ids[upto:], req.logprobs[upto:], req.metrics.token_times[upto:]
+                    break
             req.text = detok.text
             if stopped and not req.is_finished:
                 self.scheduler.finish(req, "stop")
@@ -349,6 +378,8 @@ class LLMEngine:
     def _forget(self, req: Request):
         self.detokenizers.pop(req.request_id, None)
         self.runner.sampler.release(req)
+        if self.speculator is not None:
+            self.speculator.release(req)
 
     @staticmethod
     def output(req: Request) -> RequestOutput:

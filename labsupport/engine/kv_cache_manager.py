@@ -66,6 +66,9 @@ class KVManager:
         """Offer the request's full blocks up to ``num_tokens`` (default: the computed ones) to other
         requests (prefix caching)."""
 
+    def trim(self, req):
+        """Give back room past the request's tokens (rejected guesses of speculative decoding, chapter 09)."""
+
     def fork(self, parent, child):
         """``child`` (a sample of ``parent``, chapter 04) starts from the parent's KV."""
         raise ValueError("parallel samples (n > 1) need kv_cache='paged': they share the prompt's blocks")
@@ -205,8 +208,17 @@ class KVCacheManager(KVManager):
         # Offer the full blocks this step computes now, not after the step: a request admitted later in
         # the same step shares them (the step writes every new token's K/V before any attention reads).
         # Not for blocks another engine's KV will fill (chapter 07): they hold nothing yet.
-        if offer:
-            self.cache_full_blocks(req, req.num_computed_tokens + num_new_tokens)
+        if offer:  # (not guesses of speculative decoding, past the request's tokens: they may be rejected)
+            self.cache_full_blocks(req, min(req.num_computed_tokens + num_new_tokens, req.num_tokens))
+
+    def trim(self, req):
+        """Speculative decoding (chapter 09): blocks past the request's tokens held only rejected guesses'
+        K/V; they go back to the pool (tail first), so a rejected guess costs no memory."""
+        keep = blocks_needed(req.num_tokens, self.block_size)
+        if len(req.block_table) > keep:
+            extra = req.block_table[keep:]
+            del req.block_table[keep:]
+            self.release_blocks(self.allocator, extra)
 
     def release(self, req):
         if self.prefix_cache is not None:  # blocks offered for a step that failed never got their KV

@@ -185,6 +185,12 @@ class Request:
         self.num_external_tokens = 0  # PD: prompt tokens whose KV another engine computed (part of num_cached_tokens)
         self.samples: list[Request] = []  # n > 1: the other samples, forked from this one after its prompt
         self.parent: Request | None = None  # a forked sample: the request it was forked from
+        # speculative decoding (chapter 09): the guesses the next step verifies, the distributions a draft
+        # model drew them from (None: deterministic guesses), and the tokens whose K/V the draft model holds
+        self.spec_token_ids: list[int] = []
+        self.spec_draft_probs = None
+        self.num_draft_computed = 0
+        self.num_new_output_tokens = 0  # tokens the last step gave it (more than 1 with accepted guesses)
 
     @property
     def num_seqs(self) -> int:

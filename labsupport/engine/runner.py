@@ -6,11 +6,14 @@ the attention backend, and samples from the last position of each sequence.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..models.llama import LlamaForCausalLM
 from .attention import AttentionBackend, AttentionBatch, RecomputeAttention
-from .sampler import Sampler, logprob_dicts, option
+from .sampler import Sampler, SamplerOutput, logprob_dicts, option
+from .spec_decode import rejection_sample
 from .scheduler import SchedulerOutput
 
 
@@ -18,6 +21,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, device: torch.device):
         self.model, self.backend, self.device = model, backend, device
         self.sampler = Sampler()
+        self.rejection_sample = rejection_sample  # chapter 09's plug point: the acceptance rule
         self.graphs = None  # DecodeGraphs on a GPU (cuda_graphs.py): decode-only steps replay a CUDA graph
 
     @torch.inference_mode()
@@ -27,17 +31,51 @@ class ModelRunner:
         token_ids, positions = [], []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
-            token_ids += req.all_token_ids[start:start + n]
+            token_ids += (req.all_token_ids + req.spec_token_ids)[start:start + n]  # guesses after the real tokens
             positions += range(start, start + n)
         meta = self.backend.prepare(batch.requests, batch.num_new_tokens)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, self.backend, meta)
+        guesses = num_guesses(batch)
+        if any(guesses):
+            return self._verify(hidden, batch, meta.query_offsets, guesses)
         last = torch.tensor(meta.query_offsets[1:], device=self.device) - 1
         logits = self.model.logits(hidden[last])
         sampled = self.sampler.sample(logits, batch.requests, batch.num_new_tokens)
         sampled.prompt_logprobs = prompt_logprobs(self.model, hidden, batch, meta.query_offsets)
         return sampled
+
+    def _verify(self, hidden: torch.Tensor, batch: SchedulerOutput, offsets: list[int], guesses: list[int]):
+        """A step with guesses (chapter 09): logits at each sequence's last 1 + s positions, one product;
+        sequences without guesses are sampled as usual, the others by the acceptance rule."""
+        rows = [r for end, s in zip(offsets[1:], guesses) for r in range(end - 1 - s, end)]
+        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+        ends = list(itertools.accumulate(1 + s for s in guesses))  # each sequence's rows end here in `logits`
+        plain = [i for i, s in enumerate(guesses) if s == 0]
+        last = logits[torch.tensor([ends[i] - 1 for i in plain], dtype=torch.long, device=self.device)]
+        picked = self.sampler.sample(last, [batch.requests[i] for i in plain], [batch.num_new_tokens[i] for i in plain])
+        tokens, logprobs = [0] * len(guesses), [None] * len(guesses)
+        for i, token, lp in zip(plain, picked, picked.logprobs):
+            tokens[i], logprobs[i] = token, lp
+        out = SamplerOutput(tokens, logprobs)
+        for i, s in enumerate(guesses):
+            if s:
+                req, end = batch.requests[i], ends[i]
+                emitted, lps = self.sampler.verify(logits[end - 1 - s:end], req, req.spec_token_ids[:s],
+                                                   None if req.spec_draft_probs is None else req.spec_draft_probs[:s],
+                                                   self.rejection_sample)
+                out[i], out.spec_accepted[i] = emitted[-1], emitted[:-1]
+                out.logprobs[i] = None if lps is None else lps[-1]
+                if lps is not None:
+                    out.spec_logprobs[i] = lps[:-1]
+        out.prompt_logprobs = prompt_logprobs(self.model, hidden, batch, offsets)
+        return out
+
+
+def num_guesses(batch: SchedulerOutput) -> list[int]:
+    """Guessed tokens each request feeds this step (speculative decoding): what it feeds past its real tokens."""
+    return [max(0, req.num_computed_tokens + n - req.num_tokens) for req, n in zip(batch.requests, batch.num_new_tokens)]
 
 
 @torch.inference_mode()

@@ -30,6 +30,10 @@ class SamplerOutput(list):
         super().__init__(token_ids)
         self.logprobs = logprobs if logprobs is not None else [None] * len(token_ids)
         self.prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = {}
+        # speculative decoding (chapter 09): request index -> its accepted guesses, emitted before its
+        # token here, and their logprobs (if it asked)
+        self.spec_accepted: dict[int, list[int]] = {}
+        self.spec_logprobs: dict[int, list[dict[int, float]]] = {}
 
 
 def option(req, name: str, default=None):
@@ -101,7 +105,36 @@ class Sampler:
             out[i] = d
         return out
 
-    def _draw(self, logits: torch.Tensor, req: Request) -> int:
+    def verify(self, logits: torch.Tensor, req: Request, draft_token_ids: list[int],
+               draft_probs: torch.Tensor | None, rule) -> tuple[list[int], list[dict] | None]:
+        """Speculative decoding (chapter 09): the target's logits at the 1 + s verified positions
+        [s + 1, vocab] -> the emitted tokens (``rule``: the acceptance rule, ``spec_decode.rejection_sample``
+        or an attendee's) and, if the request asked, each one's logprobs from the raw logits.
+
+        Each row gets the rules a plain step would give it: ``min_tokens`` counts the tokens before
+        that row, and greedy is the one-hot distribution at the argmax, so a guess survives iff it is
+        the token plain greedy decoding would have chosen."""
+        done = len(req.output_token_ids)
+        rows = logits
+        if done < option(req, "min_tokens", 0):
+            held = [t for t in req.all_stop_token_ids if t < logits.shape[-1]]
+            rows = logits.clone()
+            for j in range(rows.shape[0]):
+                if done + j < req.params.min_tokens:
+                    rows[j, held] = float("-inf")
+        if req.params.greedy:
+            target = torch.nn.functional.one_hot(rows.argmax(dim=-1), rows.shape[-1]).to(torch.float32)
+        else:
+            target = torch.stack([self.probs(row, req) for row in rows])
+        emitted = [int(t) for t in rule(target, draft_token_ids, draft_probs, self._generator(req, logits.device))]
+        k = option(req, "logprobs")
+        if k is None:
+            return emitted, None
+        return emitted, logprob_dicts(torch.log_softmax(logits[:len(emitted)].float(), dim=-1), emitted,
+                                      [k] * len(emitted))
+
+    def probs(self, logits: torch.Tensor, req: Request) -> torch.Tensor:
+        """The distribution a sampled (temperature > 0) request draws from: temperature, top-k, top-p."""
         logits = logits / req.params.temperature
         if 0 < req.params.top_k < logits.shape[-1]:
             kth = logits.topk(req.params.top_k).values[-1]
@@ -112,9 +145,12 @@ class Sampler:
             # keep the smallest set whose mass reaches top_p (always at least the top token)
             drop = sorted_p.cumsum(-1) - sorted_p > req.params.top_p
             sorted_p[drop] = 0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-        gen = self._generator(req, probs.device)
-        return int(torch.multinomial(probs, 1, generator=gen))
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p / sorted_p.sum())
+        return probs
+
+    def _draw(self, logits: torch.Tensor, req: Request) -> int:
+        probs = self.probs(logits, req)
+        return int(torch.multinomial(probs, 1, generator=self._generator(req, probs.device)))
 
     def _generator(self, req: Request, device) -> torch.Generator | None:
         if req.params.seed is None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVManager, PrefixHit
 from .request import Request, RequestStatus
+from .spec_decode import count_verification, spec_counters
 
 
 @dataclass
@@ -108,6 +109,8 @@ class Scheduler:
         self.preempted: list[Request] = []  # this step's preemptions
         self.num_preemptions = 0
         self.counters = {"prompt_tokens_computed": 0, "generation_tokens": 0}
+        if getattr(config, "speculative_config", None):  # chapter 09: vLLM's spec-decode counters
+            self.counters |= spec_counters(config.speculative_config["num_speculative_tokens"])
         # the exercises' plug points (set them through LLMEngine.plugged): a whole policy, a chunking rule, admission
         self.schedule_fn = None
         self.chunk_rule = chunk_rule
@@ -151,6 +154,9 @@ class Scheduler:
             n = self.num_new_tokens(req, budget, out)
             if n == 0:
                 break                                   # the budget is spent: the rest run next step
+            if req.spec_token_ids and not self.kv.can_allocate(req, n):
+                req.spec_token_ids, req.spec_draft_probs = [], None  # drop guesses before preempting anyone
+                n = self.num_new_tokens(req, budget, out)
             while not self.kv.can_allocate(req, n) and self.running[-1] is not req:
                 self.preempt(self.running[-1])          # out of blocks: the newest goes back to the queue
             if not self.kv.can_allocate(req, n):
@@ -193,7 +199,7 @@ class Scheduler:
         A request that can never fit the budget unchunked (a long sequence recomputed after
         preemption) still runs, alone in its step, so it cannot wait forever.
         """
-        remaining = req.num_tokens - req.num_computed_tokens - skip
+        remaining = req.num_tokens - req.num_computed_tokens - skip + len(req.spec_token_ids)  # guesses: chapter 09
         n = self.chunk_rule(remaining, budget_left, self.config.enable_chunked_prefill,
                             self.config.long_prefill_token_threshold)
         if n == 0 and not out.requests and remaining > 0:
@@ -207,7 +213,7 @@ class Scheduler:
         self.kv.allocate(req, num_new_tokens)
         out.requests.append(req)
         out.num_new_tokens.append(num_new_tokens)
-        out.is_prefill.append(not (num_new_tokens == 1 and req.num_computed_tokens == req.num_tokens - 1))
+        out.is_prefill.append(req.num_computed_tokens < req.num_tokens - 1)  # a decode feeds its last token (+ guesses)
 
     def admit(self, req: Request, hit: PrefixHit | None = None):
         """Move ``req`` from the queue to the running list, reusing the prefix ``hit`` found for it
@@ -225,7 +231,8 @@ class Scheduler:
         """Recompute preemption: free the request's KV, requeue it first; its tokens so far are kept."""
         self.running.remove(req)
         self.kv.release(req)
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_draft_computed = 0
+        req.spec_token_ids, req.spec_draft_probs = [], None
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -239,29 +246,48 @@ class Scheduler:
 
         A request that was fed its last pending token gets the sampled token; a prompt chunk that
         is not the last one gets nothing (its sample is not a next token). Without a KV cache
-        nothing stays computed, so the next step feeds the whole sequence again.
+        nothing stays computed, so the next step feeds the whole sequence again. With speculative
+        decoding (chapter 09) a request may get several tokens: its accepted guesses, then the
+        sampled one; the K/V of its rejected guesses is rolled back (not computed, blocks freed).
         """
         now = time.perf_counter()
         got_token = []
         self.record_prompt_logprobs(out, sampled)
         logprobs = getattr(sampled, "logprobs", None) or [None] * len(sampled)  # a plain list: tokens only
-        for req, n, token, token_logprobs in zip(out.requests, out.num_new_tokens, sampled, logprobs):
+        accepted_all = getattr(sampled, "spec_accepted", {})
+        for i, (req, n, token, token_logprobs) in enumerate(zip(out.requests, out.num_new_tokens, sampled, logprobs)):
             start = req.num_computed_tokens
-            self.counters["prompt_tokens_computed"] += max(0, min(len(req.prompt_token_ids), start + n) - start)
-            req.num_computed_tokens = start + n if self.kv.keeps_kv else 0
-            self.kv.cache_full_blocks(req)
-            if start + n < req.num_tokens:
+            guessed = max(0, start + n - req.num_tokens)  # guesses fed after the real tokens
+            fed = n - guessed
+            self.counters["prompt_tokens_computed"] += max(0, min(len(req.prompt_token_ids), start + fed) - start)
+            accepted = accepted_all.get(i, [])
+            if guessed:
+                count_verification(self.counters, guessed, len(accepted))
+            req.spec_token_ids, req.spec_draft_probs, req.num_new_output_tokens = [], None, 0
+            if start + fed < req.num_tokens:
+                req.num_computed_tokens = start + fed if self.kv.keeps_kv else 0
+                self.kv.cache_full_blocks(req)
                 continue  # a prompt chunk: more to feed before the next token
-            req.output_token_ids.append(token)
+            new_logprobs = [*getattr(sampled, "spec_logprobs", {}).get(i, [None] * len(accepted)), token_logprobs]
+            reason = None
+            for new_token, new_lp in zip([*accepted, token], new_logprobs):
+                req.output_token_ids.append(new_token)
+                if new_lp is not None:
+                    req.logprobs.append(new_lp)
+                req.metrics.token_times.append(now)
+                req.metrics.first_token_time = req.metrics.first_token_time or now
+                req.num_new_output_tokens += 1
+                self.counters["generation_tokens"] += 1
+                reason = self.stop_reason(req, new_token)
+                if reason is not None:
+                    break  # tokens after a stop are dropped, as plain decoding would never have made them
+            # the K/V of the fed token and of the accepted guesses is valid; the rest is rolled back
+            req.num_computed_tokens = min(start + fed + len(accepted), req.num_tokens - 1) if self.kv.keeps_kv else 0
+            self.kv.cache_full_blocks(req)
+            self.kv.trim(req)
             if req.num_seqs > 1:
                 self.fork_samples(req)                  # n > 1: the prompt is computed, the samples start
-            if token_logprobs is not None:
-                req.logprobs.append(token_logprobs)
-            req.metrics.token_times.append(now)
-            req.metrics.first_token_time = req.metrics.first_token_time or now
-            self.counters["generation_tokens"] += 1
             got_token.append(req)
-            reason = self.stop_reason(req, token)
             if reason is not None:
                 self.finish(req, reason)
                 out.finished.append(req)
@@ -298,10 +324,14 @@ class Scheduler:
                 return "stop"
             if token in req.params.stop_token_ids:
                 return "stop"
-        longest = min(self.config.max_model_len, self.kv.capacity)  # the context, or a pool smaller than it
-        if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= longest:
+        if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.longest:
             return "length"
         return None
+
+    @property
+    def longest(self) -> int:
+        """The most tokens a request may have: the context, or a pool smaller than it."""
+        return min(self.config.max_model_len, self.kv.capacity)
 
     def finish(self, req: Request, reason: str):
         """The request leaves (done, stopped by a stop string, aborted, failed): its memory is freed now,
@@ -375,4 +405,5 @@ class Scheduler:
 
     def stats(self) -> dict:
         return {"num_preemptions": self.num_preemptions, "num_requests_running": len(self.running),
-                "num_requests_waiting": len(self.waiting), **self.counters}
+                "num_requests_waiting": len(self.waiting),
+                **{k: list(v) if isinstance(v, list) else v for k, v in self.counters.items()}}

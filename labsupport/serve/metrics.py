@@ -93,6 +93,12 @@ COUNTERS = {  # prometheus_client appends _total on exposition, as for vLLM's
     "kv_leases_expired": "Finished requests whose held KV blocks were freed unpulled when their lease expired.",
     "kv_loads_failed": "KV pulls that failed (then kv_load_failure_policy applied).",
 }
+SPEC_COUNTERS = {  # chapter 09's speculative decoding (vLLM's names and help; 0 without it)
+    "spec_decode_num_drafts": "Number of spec decoding drafts.",
+    "spec_decode_num_draft_tokens": "Number of draft tokens.",
+    "spec_decode_num_accepted_tokens": "Number of accepted tokens.",
+}
+COUNTERS |= SPEC_COUNTERS
 CONNECTOR_COUNTERS = ("kv_transfer_bytes_sent", "kv_transfer_bytes_received", "kv_leases_expired", "kv_loads_failed")
 LABELLED_COUNTERS = {  # name -> (help, extra label, its values)
     "request_success": ("Count of successfully processed requests.", "finished_reason", FINISH_REASONS),
@@ -177,6 +183,9 @@ class ServerMetrics:
         self._finished: weakref.WeakSet = weakref.WeakSet()  # requests already counted by on_finished
         self._warned_len = False
         self._connector_seen: dict[str, int] = {}  # connector totals already counted
+        self._spec_seen: dict = {}  # the engine's spec-decode totals already counted
+        self._per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                                (*LABELS, "position"), registry=self.registry)
 
     # ------------------------------------------------------------------ fed by the engine loop
 
@@ -215,17 +224,32 @@ class ServerMetrics:
                 self.labelled["prompt_tokens_by_source"]["external_kv_transfer"].inc(ext)
                 self.histograms["time_to_first_token_seconds"].observe(req.metrics.first_token_time
                                                                        - req.metrics.arrival_time)
-            elif len(times) >= 2:
-                self.histograms["inter_token_latency_seconds"].observe(times[-1] - times[-2])
+            elif len(times) >= 2:  # accepted guesses (chapter 09): several tokens, several gaps (0 within a step)
+                m = min(max(1, getattr(req, "num_new_output_tokens", 1)), len(times) - 1)
+                for before, after in zip(times[-m - 1:-1], times[-m:]):
+                    self.histograms["inter_token_latency_seconds"].observe(after - before)
         c = self.counters
         c["prompt_tokens"].inc(prompt)
         c["prompt_tokens_cached"].inc(cached)
         c["prompt_tokens_computed"].inc(computed)
-        c["generation_tokens"].inc(len(requests_with_new_token))
+        c["generation_tokens"].inc(sum(max(1, getattr(r, "num_new_output_tokens", 1)) for r in requests_with_new_token))
+        self._count_speculation(engine)
         c["prefix_cache_queries"].inc(queries)
         c["prefix_cache_hits"].inc(hits)
         c["num_preemptions"].inc(len(out.preempted))
         self.histograms["iteration_tokens_total"].observe(out.total_tokens)
+
+    def _count_speculation(self, engine):
+        """The engine's spec-decode totals (chapter 09) -> counter increments, per position too."""
+        totals = engine.scheduler.counters
+        for name in SPEC_COUNTERS:
+            if name in totals:
+                self.counters[name].inc(totals[name] - self._spec_seen.get(name, 0))
+                self._spec_seen[name] = totals[name]
+        for pos, value in enumerate(totals.get("spec_decode_num_accepted_tokens_per_pos", [])):
+            key = ("per_pos", pos)
+            self._per_pos.labels(self.model_name, "0", str(pos)).inc(value - self._spec_seen.get(key, 0))
+            self._spec_seen[key] = value
 
     def _update_gauges(self, engine):
         g = self.gauges

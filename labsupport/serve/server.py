@@ -52,6 +52,9 @@ def add_serve_arguments(srv):
                      help="static: chapter 04's baseline (a batch admitted together, held until it drains)")
     srv.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                      help="the KV budget in bytes (paged: the pool's size; contiguous: a cap on what is reserved)")
+    srv.add_argument("--speculative-config", default=None,
+                     help="speculative decoding as JSON, vLLM's flag (chapter 09): "
+                          "{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 3}")
     srv.add_argument("--max-waiting-requests", type=int, default=1024,
                      help="requests waiting for a slot beyond this get 429 (0: no waiting at all)")
     srv.add_argument("--max-request-body-bytes", type=int, default=4 << 20, help="larger bodies get 413")
@@ -90,6 +93,20 @@ def kv_transfer_config(args) -> dict | None:
                 "kv_port": args.kv_port, "kv_lease_s": args.kv_lease_s,
                 "kv_load_failure_policy": args.kv_load_failure_policy}
     return {**defaults, **config}
+
+
+def json_flag(value: str | None, flag: str) -> dict | None:
+    """A JSON-object flag (``--speculative-config``) -> dict; ValueError saying what is wrong."""
+    import json
+    if value is None:
+        return None
+    try:
+        config = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag} is not JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"{flag} must be a JSON object")
+    return config
 
 
 def pin_cpus(spec: str | None):
@@ -134,7 +151,8 @@ def engine_options(args) -> dict:
                 enable_prefix_caching=args.enable_prefix_caching and args.kv_cache == "paged",  # needs blocks
                 enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
-                scheduling_policy=args.scheduling_policy, kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+                scheduling_policy=args.scheduling_policy, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                speculative_config=json_flag(args.speculative_config, "--speculative-config"))
 
 
 def run_server(llm, args) -> int:

@@ -1,0 +1,245 @@
+"""Speculative decoding (chapter 09): guesses verified in one pass through the paged KV cache.
+
+Greedy output must equal plain decoding token for token, whatever the guesser (prompt lookup, the
+model itself as a perfect draft, a random draft that is almost always wrong); sampled output must be
+distributed as the target's (chi-square tests at alpha = 0.001, stated below); rejected guesses'
+blocks must come back, and vLLM's counters must add up."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from labsupport import LLM, SamplingParams
+from labsupport.engine.runner import sequence_logits
+from labsupport.engine.spec_decode import check_speculative_config, ngram_propose, rejection_sample
+from labsupport.models.llama import ModelConfig
+from labsupport.models.loader import prepare_default_model, random_model
+
+from conftest import PROMPTS
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+REPETITIVE = [
+    "Copy this list twice: apples, pears, plums, grapes, cherries. apples, pears, plums, grapes,",
+    "def area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n\ndef area(w, h):\n",
+    "Extract the names: Alice met Bob. Bob met Carol. Carol met Alice. Names: Alice, Bob,",
+]
+CHI2_DF5, CHI2_DF35 = 20.52, 66.62  # chi-square critical values at alpha = 0.001
+
+
+@pytest.fixture(scope="module")
+def ngram_llm():
+    return LLM(device="cpu", speculative_config=NGRAM, enable_prefix_caching=True, enable_chunked_prefill=True,
+               max_num_batched_tokens=64, num_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def wrong_draft(tmp_path_factory):
+    """A draft of the default model's vocabulary with random weights: nearly every guess is rejected."""
+    folder = tmp_path_factory.mktemp("random-draft")
+    cfg = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "max_position_embeddings": 8192, "tie_word_embeddings": True, "rms_norm_eps": 1e-5}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    net = random_model(ModelConfig.from_hf(cfg), "cpu", torch.float32, seed=7)
+    state = {k: v.contiguous() for k, v in net.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, folder / "model.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(prepare_default_model() / name, folder / name)
+    return str(folder)
+
+
+def greedy(max_tokens=32, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
+
+
+def assert_all_blocks_free(llm):
+    stats = llm.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+# ------------------------------------------------------------------ the rule alone
+
+def test_greedy_rule_keeps_guesses_up_to_the_first_disagreement():
+    argmax = [3, 1, 4, 1]
+    p = torch.nn.functional.one_hot(torch.tensor(argmax), 6).float()
+    assert rejection_sample(p, [3, 1, 4], None) == [3, 1, 4, 1]  # all accepted, then the bonus token
+    assert rejection_sample(p, [3, 2, 4], None) == [3, 1]  # the second is wrong: the target's token instead
+    assert rejection_sample(p, [5, 1, 4], None) == [3]
+
+
+def test_rule_keeps_the_target_distribution_over_whole_steps():
+    """A toy target and draft (Markov chains over 6 tokens) generate two tokens by speculative steps;
+    the pairs must follow the target's joint distribution p0(a) T[a, b], whatever the draft."""
+    gen = torch.Generator().manual_seed(0)
+    v, k = 6, 3
+    p0 = torch.softmax(torch.randn(v, generator=gen) * 1.5, -1)
+    target = torch.softmax(torch.randn(v, v, generator=gen) * 1.5, -1)  # next-token table of the target
+    draft = torch.softmax(torch.randn(v, v, generator=gen) * 1.5, -1)  # a different one: many rejections
+    q0 = torch.softmax(torch.randn(v, generator=gen), -1)
+    counts = torch.zeros(v, v)
+    trials = 12000
+    for _ in range(trials):
+        out = []
+        while len(out) < 2:
+            first = p0 if not out else target[out[-1]]
+            q_first = q0 if not out else draft[out[-1]]
+            guesses, qs, q = [], [], q_first
+            for _ in range(k):
+                d = int(torch.multinomial(q, 1, generator=gen))
+                guesses.append(d)
+                qs.append(q)
+                q = draft[d]
+            rows = torch.stack([first] + [target[d] for d in guesses])
+            out += rejection_sample(rows, guesses, torch.stack(qs), gen)
+        counts[out[0], out[1]] += 1
+    expected = trials * p0[:, None] * target
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_DF35, chi2
+
+
+def test_rule_with_deterministic_guesses_keeps_the_target_distribution():
+    """Prompt lookup's guesses are certain (q one-hot): accept with p(d), else draw from p without d."""
+    gen = torch.Generator().manual_seed(1)
+    p = torch.tensor([[0.4, 0.3, 0.1, 0.1, 0.05, 0.05], [1 / 6] * 6])
+    counts = torch.zeros(6)
+    trials = 20000
+    for _ in range(trials):
+        counts[rejection_sample(p, [1], None, gen)[0]] += 1
+    chi2 = float(((counts - trials * p[0]) ** 2 / (trials * p[0])).sum())
+    assert chi2 < CHI2_DF5, chi2
+
+
+def test_ngram_lookup_and_config_validation():
+    assert ngram_propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2, 1, 3) == [9, 1]  # the earliest match, as vLLM
+    assert ngram_propose([4, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2, 1, 3) == [7, 1]  # the longest match first
+    assert check_speculative_config({"method": "ngram", "num_speculative_tokens": 2,
+                                     "prompt_lookup_max": 3})["prompt_lookup_min"] == 3
+    assert ngram_propose([5, 6, 7], 3, 1, 2) == []
+    assert check_speculative_config({"method": "ngram", "num_speculative_tokens": 2})["prompt_lookup_min"] == 5
+    for bad in ({"method": "eagle", "num_speculative_tokens": 2}, {"method": "ngram", "num_speculative_tokens": 0},
+                {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+                {"method": "draft_model", "num_speculative_tokens": 2}, "ngram"):
+        with pytest.raises(ValueError):
+            check_speculative_config(bad)
+    with pytest.raises(ValueError, match="paged"):
+        LLM(device="cpu", kv_cache="contiguous", speculative_config=NGRAM)
+
+
+# ------------------------------------------------------------------ in the engine
+
+def test_ngram_greedy_equals_plain_decoding_and_frees_every_block(llm, ngram_llm):
+    prompts = REPETITIVE + PROMPTS[:4]
+    plain = llm.generate(prompts, greedy(40), use_tqdm=False)
+    before = ngram_llm.stats()
+    spec = ngram_llm.generate(prompts, greedy(40), use_tqdm=False)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert [o.text for o in spec] == [o.text for o in plain]
+    s = ngram_llm.stats()
+    drafts = s["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
+    accepted = s["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert drafts > 0 and accepted > 0
+    assert sum(s["spec_decode_num_accepted_tokens_per_pos"]) == s["spec_decode_num_accepted_tokens"]
+    assert s["spec_decode_num_accepted_tokens"] <= s["spec_decode_num_draft_tokens"]
+    assert s["num_steps"] - before["num_steps"] < sum(len(o.token_ids) for o in spec)  # tokens came faster than steps
+    assert_all_blocks_free(ngram_llm)
+
+
+def test_stop_rules_and_logprobs_equal_plain_decoding(llm, ngram_llm):
+    prompt = REPETITIVE[0]
+    for params in (greedy(40, stop=[" plums"]), greedy(40, stop_token_ids=[11]), greedy(7),
+                   greedy(30, min_tokens=20), greedy(12, logprobs=2)):
+        a = llm.generate(prompt, params, use_tqdm=False)[0]
+        b = ngram_llm.generate(prompt, params, use_tqdm=False)[0]
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason), params
+        if params.logprobs:
+            assert [list(d) for d in b.logprobs] == [list(d) for d in a.logprobs]
+            assert all(abs(b.logprobs[i][t] - a.logprobs[i][t]) < 1e-3 for i, t in enumerate(a.token_ids))
+    assert_all_blocks_free(ngram_llm)
+
+
+def test_draft_models_right_and_wrong_give_plain_greedy_output(llm, wrong_draft):
+    plain = llm.generate(REPETITIVE, greedy(24), use_tqdm=False)
+    for draft, expect_all_accepted in ((str(prepare_default_model()), True), (wrong_draft, False)):
+        spec_llm = LLM(device="cpu", num_blocks=128, speculative_config={
+            "method": "draft_model", "model": draft, "num_speculative_tokens": 3})
+        out = spec_llm.generate(REPETITIVE, greedy(24), use_tqdm=False)
+        assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+        s = spec_llm.stats()
+        assert s["spec_decode_num_drafts"] > 0
+        if expect_all_accepted:  # the model drafting for itself guesses exactly what it will choose
+            assert s["spec_decode_num_accepted_tokens"] == s["spec_decode_num_draft_tokens"]
+        else:
+            assert s["spec_decode_num_accepted_tokens"] < s["spec_decode_num_draft_tokens"] / 2
+        assert_all_blocks_free(spec_llm)
+        spec_llm.shutdown()
+
+
+def test_sampled_tokens_follow_the_target_distribution():
+    """Temperature 1 on a repetitive prompt: prompt lookup guesses the next items, the rule accepts or
+    resamples. Given the most common first token, the second (verified) token's counts must fit the
+    target's own distribution, computed from the model's logits (chi-square, alpha = 0.001)."""
+    ngram_llm = LLM(device="cpu", speculative_config=NGRAM, enable_prefix_caching=True, max_num_seqs=128)
+    prompt = "a b c d a b c d a b c d a b c"
+    ids = ngram_llm.tokenize(prompt)[0]
+    n = 320
+    params = [SamplingParams(temperature=1.0, max_tokens=3, seed=s, ignore_eos=True) for s in range(n)]
+    outs = ngram_llm.generate([prompt] * n, params, use_tqdm=False)
+    firsts = [o.token_ids[0] for o in outs]
+    mode = max(set(firsts), key=firsts.count)
+    seconds = [o.token_ids[1] for o in outs if o.token_ids[0] == mode]
+    model = ngram_llm.engine.model
+    p = torch.softmax(sequence_logits(model, ids + [mode])[-1], -1)
+    top = p.topk(5).indices.tolist()
+    cells = [[t] for t in top] + [None]  # the five likeliest tokens, and all others together
+    expected = [float(p[c].sum()) if c else 1 - float(p[top].sum()) for c in cells]
+    observed = [sum(s in c for s in seconds) if c else sum(s not in top for s in seconds) for c in cells]
+    m = len(seconds)
+    keep = [i for i, e in enumerate(expected) if e * m >= 5]  # chi-square wants >= 5 expected per cell
+    rest_obs = m - sum(observed[i] for i in keep)
+    rest_exp = m - sum(expected[i] * m for i in keep)
+    chi2 = sum((observed[i] - expected[i] * m) ** 2 / (expected[i] * m) for i in keep)
+    if rest_exp >= 1:
+        chi2 += (rest_obs - rest_exp) ** 2 / rest_exp
+    assert m >= 100 and ngram_llm.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert chi2 < CHI2_DF5, (chi2, observed, [e * m for e in expected])
+    assert_all_blocks_free(ngram_llm)
+
+
+def test_aborted_and_preempted_requests_give_every_block_back():
+    tight = LLM(device="cpu", num_blocks=12, block_size=8, max_num_seqs=4, speculative_config=NGRAM)
+    outs = tight.generate(REPETITIVE + REPETITIVE[:1], greedy(40), use_tqdm=False)
+    assert all(o.finish_reason in ("length", "stop") for o in outs)
+    assert_all_blocks_free(tight)
+    req = tight.engine.add_request(tight.tokenize(REPETITIVE[0])[0], greedy(40))
+    for _ in range(4):
+        tight.engine.step()
+    tight.engine.abort(req)
+    assert_all_blocks_free(tight)
+    with pytest.raises(ValueError, match="n > 1"):
+        tight.engine.add_request([1, 2, 3], SamplingParams(n=2))
+
+
+def test_server_streams_the_same_text_and_exports_vllms_counters(llm, ngram_llm):
+    """Over a loopback port with the official client: streamed text equals plain decoding, and /metrics
+    carries the spec-decode counters, equal to the engine's own."""
+    import openai
+    from server_tools import server_metrics, wait_metrics_free
+
+    from labsupport.serve.api import create_app
+    from labsupport.serve.background import BackgroundServer
+
+    ref = llm.generate(REPETITIVE[1], greedy(32), use_tqdm=False)[0]
+    with BackgroundServer(create_app(ngram_llm, "smol")) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
+        stream = client.completions.create(model="smol", prompt=REPETITIVE[1], max_tokens=32, temperature=0,
+                                           stream=True)
+        assert "".join(c.choices[0].text for c in stream) == ref.text
+        m = wait_metrics_free(srv, ngram_llm)
+        s = ngram_llm.stats()
+        for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
+            assert m[f"labsupport:{name}_total"] > 0
+        per_pos = {k: v for k, v in server_metrics(srv).items() if "accepted_tokens_per_pos" in k and "position=" in k and "model_name=" in k}
+        assert sum(per_pos.values()) == m["labsupport:spec_decode_num_accepted_tokens_total"]
+        assert s["spec_decode_num_accepted_tokens"] >= m["labsupport:spec_decode_num_accepted_tokens_total"]
