@@ -52,6 +52,7 @@ class EngineConfig:
     enforce_eager: bool = False  # GPU: True launches every kernel from Python (no CUDA graphs for decode)
     kv_transfer_config: dict | None = None  # chapter 07: a KV connector, as vLLM's --kv-transfer-config
     speculative_config: dict | None = None  # chapter 09: {"method": "ngram"|"draft_model", ...}, as vLLM's
+    quantization: str | None = None  # chapter 09: weight-only "int8" (per channel) or "int4" (groups of 32)
 
     def __post_init__(self):
         if self.kv_cache not in ("paged", "contiguous", "none"):
@@ -83,6 +84,8 @@ class EngineConfig:
         if self.kv_transfer_config is not None and (not isinstance(self.kv_transfer_config, dict)
                                                     or self.kv_cache != "paged"):
             raise ValueError("kv_transfer_config must be a dict (vLLM's --kv-transfer-config) and needs kv_cache='paged'")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be None, 'int8' or 'int4' (weight-only), got {self.quantization!r}")
         if self.speculative_config is not None:
             from .spec_decode import check_speculative_config
             self.speculative_config = check_speculative_config(self.speculative_config)

@@ -37,6 +37,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.device = resolve_device(config.device)
         self.model, self.tokenizer, self.model_path = load_model(config.model, self.device, config.dtype)
+        self.quantization_report = None  # chapter 09: weights quantized before memory is sized and graphs captured
+        if config.quantization is not None:
+            from ..models.quantize import quantize_model
+            self.quantization_report = quantize_model(self.model, config.quantization)
         limit = self.model.config.max_position_embeddings
         self.config = dataclasses.replace(config, max_model_len=min(config.max_model_len or min(limit, 8192), limit))
         self.kv, self.backend = self._make_kv_and_backend()

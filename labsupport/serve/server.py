@@ -55,6 +55,8 @@ def add_serve_arguments(srv):
     srv.add_argument("--speculative-config", default=None,
                      help="speculative decoding as JSON, vLLM's flag (chapter 09): "
                           "{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 3}")
+    srv.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                     help="weight-only quantization of our model (chapter 09)")
     srv.add_argument("--max-waiting-requests", type=int, default=1024,
                      help="requests waiting for a slot beyond this get 429 (0: no waiting at all)")
     srv.add_argument("--max-request-body-bytes", type=int, default=4 << 20, help="larger bodies get 413")
@@ -152,7 +154,8 @@ def engine_options(args) -> dict:
                 enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
                 scheduling_policy=args.scheduling_policy, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                speculative_config=json_flag(args.speculative_config, "--speculative-config"))
+                speculative_config=json_flag(args.speculative_config, "--speculative-config"),
+                quantization=args.quantization)
 
 
 def run_server(llm, args) -> int:
