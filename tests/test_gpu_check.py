@@ -34,7 +34,12 @@ def test_quick_run_on_the_cpu_reports_every_part(tmp_path):
     w1 = report["w1"]
     assert w1["torch"]["output_tok_s"] > 0 and w1["triton"]["output_tok_s"] > 0
     assert w1["same_tokens_triton_vs_torch"] >= 0.9  # fp32 on the CPU: the paths differ by ~1e-7
-    for line in ("[1] kernel", "[2] decode step", "[3] W1", "total"):
+    less = report["compute_less"]
+    assert less["ok"] and less["spec_identity"]["ngram"]["same_tokens"] and less["spec_identity"]["draft_model"]["same_tokens"]
+    assert less["spec_identity"]["draft_model"]["acceptance_length"] > 3  # the model drafting for itself: all kept
+    assert all(row["verify_ms"] > 0 and row["decode_ms"] > 0 for row in less["verify_cost"]["rows"].values())
+    assert less["quantized_decode"]["int8"]["B=1_ms"] > 0 and less["quantized_decode"]["int4"]["paths"]
+    for line in ("[1] kernel", "[2] decode step", "[3] W1", "[4] compute less", "total"):
         assert line in run.stdout
 
 

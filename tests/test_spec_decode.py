@@ -243,3 +243,17 @@ def test_server_streams_the_same_text_and_exports_vllms_counters(llm, ngram_llm)
         per_pos = {k: v for k, v in server_metrics(srv).items() if "accepted_tokens_per_pos" in k and "position=" in k and "model_name=" in k}
         assert sum(per_pos.values()) == m["labsupport:spec_decode_num_accepted_tokens_total"]
         assert s["spec_decode_num_accepted_tokens"] >= m["labsupport:spec_decode_num_accepted_tokens_total"]
+
+
+def test_bench_spec_reports_both_sweeps_and_plots():
+    from labsupport.bench.spec_bench import format_report, run
+    from labsupport.viz.spec_charts import plot_spec
+
+    report = run(ks=(2,), temperatures=(0.0,), batch_sizes=(2,), max_tokens=8, device="cpu", use_tqdm=False)
+    rows = report["rows"]
+    assert {(r["sweep"], r["k"]) for r in rows} == {("k", 0), ("k", 2), ("batch", 0), ("batch", 2)}
+    assert all(r["same_tokens"] for r in rows)  # greedy: guessing never changes the tokens
+    spec_rows = [r for r in rows if r["k"]]
+    assert all(1 <= r["acceptance_length"] <= 3 and r["draft_tokens"] >= r["accepted"] for r in spec_rows)
+    assert "accept len" in format_report(report)
+    assert len(plot_spec(report).axes) == 3

@@ -15,6 +15,9 @@
 3. **w1**: bench compare's W1 shape (32 prompts x 200 tokens, 128 out each, greedy, ignore_eos)
    through the real ``LLM``/``LLMEngine`` with random SmolLM2-shaped weights: CUDA graphs + Triton (the
    engine's default on a GPU), Triton eager, PyTorch eager.
+4. **compute less** (chapter 09, ``gpu_compute_less.py``): speculative decoding's greedy identity, the
+   cost of verifying 1 + k tokens per sequence against decoding 1 (Llama-3.1-8B shape, by batch size),
+   and a decode step with int8 / int4 weights against bf16.
 
 It needs no checkpoint, tokenizer, network or venv: models are random weights of the named shapes,
 built on the device (``LLM(model="random:smollm2-135m")``, ``models/loader.py``). Without CUDA
@@ -39,6 +42,7 @@ from types import SimpleNamespace
 
 import torch
 
+from .gpu_compute_less import check_compute_less, format_compute_less
 from .gpu_parity import check_parity
 
 HEAD_SHAPES = {"smollm2-135m": (9, 3, 64), "llama-3.1-8b": (32, 8, 128)}  # query heads, KV heads, head_dim
@@ -316,6 +320,11 @@ def print_report(r: dict):
                   f"TPOT p50 {p['p50_tpot_ms']:.2f} ms, TTFT p50 {p['p50_ttft_ms']:.0f} ms")
     for key in (k for k in w if k.startswith("same_tokens_")):
         print(f"    {key.replace('_', ' ')}: {w[key]:.1%}")
+    c = r.get("compute_less")
+    if c is not None:
+        print(f"[4] compute less ({c['seconds']:.0f} s): " + (c.get("error") or ("OK" if c["ok"] else "FAILED")))
+        if "error" not in c:
+            print("\n".join(format_compute_less(c)))
     print(f"total {r['seconds']:.0f} s; {'OK' if r['ok'] else 'FAILED'}")
 
 
@@ -350,8 +359,11 @@ def main(argv=None) -> int:
         report["kernel"] = run_part("kernel", check_kernel, device, args.quick)
         report["decode"] = run_part("decode", check_decode, device, args.quick, dtype, report["copy_gb_s"] * 1e9)
         report["w1"] = run_part("w1", check_w1, device, args.quick, dtype)
-    report["ok"] = not any("error" in report[part] for part in ("parity", "kernel", "decode", "w1")) \
-        and report["kernel"].get("ok", True) and report["parity"].get("ok", True)
+        report["compute_less"] = run_part("compute_less", check_compute_less, device, args.quick, dtype)
+    report["ok"] = not any("error" in report.get(part, {}) for part in ("parity", "kernel", "decode", "w1",
+                                                                         "compute_less")) \
+        and report["kernel"].get("ok", True) and report["parity"].get("ok", True) \
+        and report.get("compute_less", {}).get("ok", True)
     report["seconds"] = time.perf_counter() - started
     print_report(report)
     if args.json:

@@ -59,15 +59,19 @@ def spec_engines(ks, method: str = "ngram", draft: str | None = None, **options)
     return engines
 
 
-def measure(llm, prompts, temperature: float, max_tokens: int, seed: int = 0) -> dict:
-    """Decode ``prompts`` together once; tokens/s and the spec-decode counters of this run alone."""
+def measure(llm, prompts, temperature: float, max_tokens: int, seed: int = 0, one_at_a_time: bool = False) -> dict:
+    """Decode ``prompts`` together (or each alone: one user's latency); tokens/s and the spec-decode
+    counters of this run alone."""
     from .. import SamplingParams
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i)
               for i in range(len(prompts))]
     llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm the kernels
     before = llm.stats()
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    if one_at_a_time:
+        outs = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     after = llm.stats()
     tokens = sum(len(o.token_ids) for o in outs)
@@ -86,22 +90,21 @@ def measure(llm, prompts, temperature: float, max_tokens: int, seed: int = 0) ->
     return row
 
 
-def run(ks=(0, 2, 4, 8), temperatures=(0.0, 1.0), batch_sizes=(1, 4, 16), max_tokens: int = 64,
+def run(ks=(0, 2, 4, 8), temperatures=(0.0, 1.0), batch_sizes=(4, 16), max_tokens: int = 64,
         method: str = "ngram", draft: str | None = None, device: str = "auto", use_tqdm: bool = True) -> dict:
     """The two sweeps. ``ks`` must include 0 (the plain baseline every speed-up is measured against)."""
     ks = sorted(set(ks) | {0})
     engines = spec_engines(ks, method, draft, device=device, max_num_seqs=max(64, max(batch_sizes)))
-    jobs = [("k", w, k, t, 1) for w in WORKLOADS for t in temperatures for k in ks]
-    best_k = max(ks)
-    jobs += [("batch", "repetitive", k, 0.0, b) for b in batch_sizes for k in (0, best_k) if b > 1]
+    jobs = [("k", w, k, t, 1) for w in WORKLOADS for t in temperatures for k in ks]  # one user at a time
+    k_batch = 4 if 4 in ks else max(ks)
+    jobs += [("batch", "repetitive", k, 0.0, b) for b in batch_sizes for k in (0, k_batch) if b > 1]
     rows = []
     for sweep, workload, k, temp, batch in tqdm(jobs, desc="spec decode", disable=not use_tqdm):
-        prompts = [WORKLOADS[workload][i % len(WORKLOADS[workload])] for i in range(max(batch, 1))]
+        prompts = [WORKLOADS[workload][i % len(WORKLOADS[workload])] for i in range(batch)]
         if sweep == "k":
             prompts = WORKLOADS[workload]
-        row = measure(engines[k], prompts, temp, max_tokens)
-        rows.append({"sweep": sweep, "workload": workload, "k": k, "temperature": temp,
-                     "batch": len(prompts) if sweep == "k" else batch, **row})
+        row = measure(engines[k], prompts, temp, max_tokens, one_at_a_time=sweep == "k")
+        rows.append({"sweep": sweep, "workload": workload, "k": k, "temperature": temp, "batch": batch, **row})
     for row in rows:  # speed-up and identity against plain decoding of the same prompts and temperature
         base = next(r for r in rows if r["k"] == 0 and all(r[key] == row[key] for key in
                                                             ("sweep", "workload", "temperature", "batch")))
@@ -127,7 +130,8 @@ def format_report(report: dict) -> str:
 def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--k", default="0,2,4,8", help="guesses per step to try (0: plain decoding)")
     p.add_argument("--temperatures", default="0,1", help="comma-separated")
-    p.add_argument("--batch-sizes", default="1,4,16", help="the batch sweep (repetitive traffic, greedy)")
+    p.add_argument("--batch-sizes", default="4,16", help="the batch sweep (repetitive traffic, greedy, k=4; the k "
+                                                       "sweep is batch 1)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--draft", default=None, help="a draft model (same vocabulary): method draft_model instead "
                                                  "of prompt lookup")

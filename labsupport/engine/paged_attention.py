@@ -82,6 +82,9 @@ def prefill_attention(q, k, v, k_pool, v_pool, rows: PrefillRows) -> torch.Tenso
     return out.transpose(0, 1)
 
 
+VERIFY_ROWS = 17  # 1 + the most guesses a step verifies (num_speculative_tokens <= 16)
+
+
 class PagedAttention(AttentionBackend):
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype, device, scratch_block: bool = False):
@@ -117,26 +120,36 @@ class PagedAttention(AttentionBackend):
         writes = []
         for req, n, ctx in zip(requests, num_new_tokens, batch.context_lens):
             writes += self.slot_mapping(req.block_table, ctx - n, n, bs)  # only the new tokens' slots
-        decode = [i for i, n in enumerate(batch.query_lens) if n == 1]
+        # decode rows: one new token, or a few after a context (speculative decoding's guesses, chapter 09):
+        # each query token is a row of its own, seeing the context up to itself (its K/V is written first)
+        decode = [(batch.query_offsets[i] + j, i, ctx - n + 1 + j)
+                  for i, (n, ctx) in enumerate(zip(batch.query_lens, batch.context_lens)) if self._as_decode(n, ctx)
+                  for j in range(n)]
         extra = {"slot_mapping": torch.tensor(writes, dtype=torch.long, device=dev), "decode": None, "prefill": []}
         if decode:
-            lens = [batch.context_lens[i] for i in decode]
+            lens = [length for _, _, length in decode]
             width = -(-max(lens) // bs)
-            tables = [requests[i].block_table[:width] for i in decode]
+            tables = [requests[i].block_table[:width] for _, i, _ in decode]
             tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
             context_lens = torch.tensor(lens)
             extra["decode"] = DecodeRows(
-                token_index=torch.tensor([batch.query_offsets[i] for i in decode], device=dev),
+                token_index=torch.tensor([row for row, _, _ in decode], device=dev),
                 block_tables=tables.to(dev), context_lens=context_lens.to(dev),
                 padding=(torch.arange(width * bs)[None, :] >= context_lens[:, None]).to(dev))
-        for i, n in enumerate(batch.query_lens):
-            if n > 1:
+        for i, (n, ctx) in enumerate(zip(batch.query_lens, batch.context_lens)):
+            if not self._as_decode(n, ctx):
                 ctx = batch.context_lens[i]
                 slots = None if ctx == n else torch.tensor(self.slot_mapping(requests[i].block_table, 0, ctx, bs),
                                                            dtype=torch.long, device=dev)
                 extra["prefill"].append(PrefillRows(batch.query_offsets[i], batch.query_offsets[i + 1], slots))
         batch.extra = extra
         return batch
+
+    @staticmethod
+    def _as_decode(n: int, ctx: int) -> bool:
+        """A row of ``n`` new tokens in a context of ``ctx`` is read as decode rows: one token, or up to
+        ``VERIFY_ROWS`` after a context (verifying guesses), where one batched read beats a masked one."""
+        return n == 1 or (n <= VERIFY_ROWS and ctx > n)
 
     def attend(self, layer, q, k, v, batch):
         x = batch.extra

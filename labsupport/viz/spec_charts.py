@@ -1,0 +1,48 @@
+"""Pictures of speculative decoding: how many tokens a verified step yields, and what that buys.
+
+Drawn from ``labsupport.bench.spec_bench.run``'s report: acceptance length and speed-up against the
+number of guesses k, one line per traffic and temperature (one user at a time), and speed-up against
+the batch size, where a verify step stops being almost free. Figures are closed in pyplot after
+drawing, so a notebook shows each once.
+"""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+STYLE = {("repetitive", 0.0): ("#1f77b4", "-"), ("repetitive", 1.0): ("#1f77b4", "--"),
+         ("open-ended", 0.0): ("#ff7f0e", "-"), ("open-ended", 1.0): ("#ff7f0e", "--")}
+
+
+def plot_spec(report: dict, title: str | None = None):
+    rows = report["rows"]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    k_rows = [r for r in rows if r["sweep"] == "k"]
+    for (workload, temp) in sorted({(r["workload"], r["temperature"]) for r in k_rows}):
+        line = sorted((r for r in k_rows if r["workload"] == workload and r["temperature"] == temp),
+                      key=lambda r: r["k"])
+        color, dash = STYLE.get((workload, temp), (None, "-"))
+        label = f"{workload}, T={temp:g}"
+        axes[0].plot([r["k"] for r in line], [r.get("acceptance_length", 1.0) for r in line], dash, marker="o",
+                     color=color, label=label)
+        axes[1].plot([r["k"] for r in line], [r["speedup"] for r in line], dash, marker="o", color=color, label=label)
+    axes[0].set(xlabel="guesses per step (k)", ylabel="tokens per verified step", title="acceptance length (1 user)")
+    axes[1].axhline(1.0, color="grey", lw=0.8)
+    axes[1].set(xlabel="guesses per step (k)", ylabel="x plain decoding", title="speed-up (1 user)")
+    axes[0].legend(fontsize=8)
+    batch = sorted((r for r in rows if r["sweep"] == "batch" and r["k"] > 0), key=lambda r: r["batch"])
+    single = [r for r in k_rows if r["workload"] == "repetitive" and r["temperature"] == 0.0 and r["k"] > 0]
+    k = batch[0]["k"] if batch else None
+    points = [r for r in single if r["k"] == k] + batch
+    if points:
+        axes[2].plot([r["batch"] for r in points], [r["speedup"] for r in points], marker="o", color="#1f77b4")
+        for r in points:
+            axes[2].annotate(f"{r.get('acceptance_length', 1):.1f} tok/step", (r["batch"], r["speedup"]),
+                             textcoords="offset points", xytext=(4, 6), fontsize=8)
+        axes[2].set_xscale("log", base=2)
+    axes[2].axhline(1.0, color="grey", lw=0.8)
+    axes[2].set(xlabel="concurrent requests", ylabel="x plain decoding",
+                title=f"speed-up against batch (repetitive, greedy, k={k})")
+    fig.suptitle(title or f"speculative decoding ({report['method']}), {report['max_tokens']} tokens per request")
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
