@@ -41,7 +41,7 @@ def test_static_buffer_forward_equals_the_eager_step(lens):
     for pool in backend.k_pool + backend.v_pool:  # old KV everywhere, the scratch block too: masking must hold
         pool.normal_()
     blocks = iter(random.Random(0).sample(range(num_blocks), num_blocks))
-    requests = [SimpleNamespace(request_id=f"r{i}", num_computed_tokens=n - 1,
+    requests = [SimpleNamespace(request_id=f"r{i}", num_computed_tokens=n - 1, num_tokens=n,
                                 all_token_ids=[(7 * i + j) % cfg.vocab_size for j in range(n)],
                                 block_table=[next(blocks) for _ in range(-(-n // BS))],
                                 params=SimpleNamespace(greedy=True)) for i, n in enumerate(lens)]

@@ -190,7 +190,7 @@ def time_decode_step(cfg, lens, device, dtype, copy_bw: float, quick: bool) -> d
     backend = PagedAttention(cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype, device,
                              scratch_block=True)
     blocks = iter(random.Random(0).sample(range(1, num_blocks), num_blocks - 1))  # scattered, as in a busy pool
-    requests = [SimpleNamespace(request_id=f"r{i}", num_computed_tokens=n - 1, all_token_ids=[i % 100] * n,
+    requests = [SimpleNamespace(request_id=f"r{i}", num_computed_tokens=n - 1, num_tokens=n, all_token_ids=[i % 100] * n,
                                 block_table=[next(blocks) for _ in range(-(-n // BLOCK_SIZE))],
                                 params=SimpleNamespace(greedy=True)) for i, n in enumerate(lens)]
     step = SchedulerOutput(requests=requests, num_new_tokens=[1] * len(lens))

@@ -3,7 +3,8 @@
 Writing: the new tokens' K/V go to their *slots* (``slot_mapping``), wherever their blocks are.
 Reading takes two paths, because a step mixes two very different kinds of rows:
 
-* **Decode rows** (one new token each, most rows of most steps): their blocks are gathered in
+* **Decode rows** (one new token each, most rows of most steps; a sequence verifying k guesses of
+  speculative decoding, chapter 09, is k + 1 decode rows): their blocks are gathered in
   one indexing call per layer, whole blocks at a time, into a [Hkv, B, S, D] batch padded only to
   the longest *decoding* context, and attended with one batched matmul per head group. A
   padding slot is masked by its length, not by a dense [B, Lq, Lk] mask.
@@ -123,8 +124,8 @@ class PagedAttention(AttentionBackend):
         # decode rows: one new token, or a few after a context (speculative decoding's guesses, chapter 09):
         # each query token is a row of its own, seeing the context up to itself (its K/V is written first)
         decode = [(batch.query_offsets[i] + j, i, ctx - n + 1 + j)
-                  for i, (n, ctx) in enumerate(zip(batch.query_lens, batch.context_lens)) if self._as_decode(n, ctx)
-                  for j in range(n)]
+                  for i, (n, ctx) in enumerate(zip(batch.query_lens, batch.context_lens))
+                  if self._as_decode(requests[i], n) for j in range(n)]
         extra = {"slot_mapping": torch.tensor(writes, dtype=torch.long, device=dev), "decode": None, "prefill": []}
         if decode:
             lens = [length for _, _, length in decode]
@@ -137,7 +138,7 @@ class PagedAttention(AttentionBackend):
                 block_tables=tables.to(dev), context_lens=context_lens.to(dev),
                 padding=(torch.arange(width * bs)[None, :] >= context_lens[:, None]).to(dev))
         for i, (n, ctx) in enumerate(zip(batch.query_lens, batch.context_lens)):
-            if not self._as_decode(n, ctx):
+            if not self._as_decode(requests[i], n):
                 ctx = batch.context_lens[i]
                 slots = None if ctx == n else torch.tensor(self.slot_mapping(requests[i].block_table, 0, ctx, bs),
                                                            dtype=torch.long, device=dev)
@@ -146,10 +147,10 @@ class PagedAttention(AttentionBackend):
         return batch
 
     @staticmethod
-    def _as_decode(n: int, ctx: int) -> bool:
-        """A row of ``n`` new tokens in a context of ``ctx`` is read as decode rows: one token, or up to
-        ``VERIFY_ROWS`` after a context (verifying guesses), where one batched read beats a masked one."""
-        return n == 1 or (n <= VERIFY_ROWS and ctx > n)
+    def _as_decode(req, n: int) -> bool:
+        """A request feeding ``n`` tokens is read as decode rows if it decodes: one token, or its last token
+        and the guesses of speculative decoding (chapter 09), where one batched read beats a masked one."""
+        return n == 1 or (n <= VERIFY_ROWS and req.num_computed_tokens + n > req.num_tokens)
 
     def attend(self, layer, q, k, v, batch):
         x = batch.extra

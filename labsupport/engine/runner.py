@@ -31,7 +31,9 @@ class ModelRunner:
         token_ids, positions = [], []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
-            token_ids += (req.all_token_ids + req.spec_token_ids)[start:start + n]  # guesses after the real tokens
+            token_ids += req.all_token_ids[start:start + n]
+            if start + n > req.num_tokens:  # speculative decoding: guesses after the real tokens
+                token_ids += req.spec_token_ids[:start + n - req.num_tokens]
             positions += range(start, start + n)
         meta = self.backend.prepare(batch.requests, batch.num_new_tokens)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
