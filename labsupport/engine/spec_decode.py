@@ -118,11 +118,6 @@ class _DraftView:
     def __init__(self, req, num_computed: int):
         self.request_id, self.block_table, self.num_computed_tokens = req.request_id, req.block_table, num_computed
 
-    @property
-    def num_tokens(self) -> int:
-        """Everything the draft feeds is past what it has computed: a few tokens are read as decode rows."""
-        return self.num_computed_tokens
-
 
 class DraftModelProposer:
     """A small model guessing k tokens, one cheap decode step each, with its KV in its own pool.
