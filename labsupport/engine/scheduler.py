@@ -284,7 +284,8 @@ class Scheduler:
             # the K/V of the fed token and of the accepted guesses is valid; the rest is rolled back
             req.num_computed_tokens = min(start + fed + len(accepted), req.num_tokens - 1) if self.kv.keeps_kv else 0
             self.kv.cache_full_blocks(req)
-            self.kv.trim(req)
+            if guessed:
+                self.kv.trim(req)                       # blocks that held only rejected guesses go back
             if req.num_seqs > 1:
                 self.fork_samples(req)                  # n > 1: the prompt is computed, the samples start
             got_token.append(req)
