@@ -1,5 +1,5 @@
-"""``python -m labsupport bench {compare,roofline,profile,serve,course-table,spec,roofline-lab,quant}``: the measuring
-subcommands (the last three are chapter 09's).
+"""``python -m labsupport bench {compare,roofline,profile,serve,course-table,spec,roofline-lab,quant,capstone}``: the
+measuring subcommands (the last four are chapter 09's).
 
 ``python -m labsupport bench --workload ...`` (flat flags, chapters 04-05) stays as it was:
 ``__main__`` sends argv here only when the word after ``bench`` is one of ``SUBCOMMANDS``, so
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-SUBCOMMANDS = ("compare", "roofline", "profile", "serve", "course-table", "spec", "roofline-lab", "quant")
+SUBCOMMANDS = ("compare", "roofline", "profile", "serve", "course-table", "spec", "roofline-lab", "quant", "capstone")
 OWN_PARSERS = {"roofline-lab": "roofline_lab", "quant": "quant"}  # chapter 09's: they parse their own flags
 
 
@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     from . import spec_bench
     spec_bench.add_arguments(sub.add_parser("spec", help="speculative decoding: acceptance and speed-up against k, "
                                                          "temperature, traffic and batch size"))
+    from . import capstone
+    capstone.add_arguments(sub.add_parser("capstone", help="the course engine with every technique, each one off, "
+                                                           "transformers serve and vLLM on five traffics: a decision"))
     return parser
 
 
@@ -52,6 +55,9 @@ def main(argv: list[str]) -> int:
         if args.subcommand == "course-table":  # records the busy check in its JSON
             from .course_table import main as table_main
             return table_main(args)
+        if args.subcommand == "capstone":  # servers on this machine: its own busy record per column
+            from .capstone import main as capstone_main
+            return capstone_main(args)
         if args.subcommand == "serve":  # the server under test shares the machine: no busy check
             from .serve_cli import main as serve_main
             return serve_main(args)

@@ -24,7 +24,6 @@ A notebook shows the saved table up to its own chapter with ``labsupport.viz.cou
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import time
@@ -188,9 +187,10 @@ def _cpu_seconds(procs) -> tuple[float, float]:
 def _metrics(url: str) -> dict | None:
     from .serve_metrics import parse_metrics
     try:
-        return parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
+        resp = httpx.get(url + "/metrics", timeout=10)
     except httpx.HTTPError:
         return None
+    return parse_metrics(resp.text) if resp.status_code == 200 else None  # transformers serve has none
 
 
 def ttft_tail_of(ttfts_ms: list[float]) -> tuple[str, float]:
@@ -200,12 +200,14 @@ def ttft_tail_of(ttfts_ms: list[float]) -> tuple[str, float]:
 
 
 def load_run(url: str, metrics_url: str, model: str, requests, rate: float, burstiness: float, s: Sizes,
-             usd_per_hour: float, seed: int) -> dict:
-    """One ``bench serve`` run, cut down to what the table shows (tails by the 100-sample rule)."""
+             usd_per_hour: float, seed: int, ignore_eos: bool = True) -> dict:
+    """One ``bench serve`` run, cut down to what the table shows (tails by the 100-sample rule).
+    ``s`` needs only ``ttft_ms`` and ``tpot_ms`` (the SLO)."""
     from .serve_metrics import server_metrics_delta
     before = _metrics(metrics_url)
     r = benchmark(url, model, requests, rate=rate, burstiness=burstiness, seed=seed, progress=False,
-                  slo={"ttft": s.ttft_ms, "tpot": s.tpot_ms}, usd_per_hour=usd_per_hour, test_request=False)
+                  slo={"ttft": s.ttft_ms, "tpot": s.tpot_ms}, usd_per_hour=usd_per_hour, test_request=False,
+                  ignore_eos=ignore_eos)
     server = server_metrics_delta(before, _metrics(metrics_url))
     ttfts = [q.ttft * 1000 for q in r.requests if q.success]
     label, ttft_tail = ttft_tail_of(ttfts)
@@ -216,7 +218,8 @@ def load_run(url: str, metrics_url: str, model: str, requests, rate: float, burs
             "goodput_req_s": x["request_goodput"],
             "slo_attainment": round(x["request_goodput"] * x["duration"]) / len(requests),  # good / sent
             "ttft_p50_ms": percentile(ttfts, 50), "ttft_tail_ms": ttft_tail, "ttft_tail_label": label,
-            "tpot_p50_ms": x["median_tpot_ms"], "mean_queue_time_ms": server.get("mean_queue_time_ms"),
+            "tpot_p50_ms": x["median_tpot_ms"], "tpot_p90_ms": x["p90_tpot_ms"],
+            "e2el_p50_ms": x["median_e2el_ms"], "mean_queue_time_ms": server.get("mean_queue_time_ms"),
             "prefix_cache_hit_rate": server.get("prefix_cache_hit_rate", 0.0) if server else None,
             "errors": x["first_errors"]}
 
@@ -317,13 +320,8 @@ def main(args) -> int:
     t = run(sizes, which, args.usd_per_hour, args.arrivals)
     print(format_rows(t["rows"]))
     print(f"{len(t['rows'])} rows in {t['seconds']:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(t, f, indent=1)
-        print(f"wrote {args.json}")
-    if args.plot:
-        plot_course_table(max(which), path=t).savefig(args.plot, dpi=130)
-        print(f"wrote {args.plot}")
+    from .metrics import save_run
+    save_run(t, args.json, args.plot, lambda run_: plot_course_table(max(which), path=run_))
     failed = [r["chapter"] for r in t["rows"] if any(r.get(k, {}).get("completed", 0) < r.get(k, {}).get("requests", 0)
                                                      for k in ("capacity", "bursty", "poisson"))]
     return 1 if failed else 0

@@ -65,3 +65,15 @@ def format_summary(summary: dict) -> str:
         lines.append(f"{name.upper() + f' (ms) mean/P50/{label}':28s}{summary[f'mean_{name}_ms']:.1f} / "
                      f"{summary[f'p50_{name}_ms']:.1f} / {value:.1f}")
     return "\n".join(lines)
+
+
+def save_run(result: dict, json_path: str | None, plot_path: str | None, draw) -> None:
+    """A benchmark command's ``--json`` and ``--plot``: the run as JSON, ``draw(result)``'s figure as a PNG."""
+    import json
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {json_path}")
+    if plot_path:
+        draw(result).savefig(plot_path, dpi=130)
+        print(f"wrote {plot_path}")

@@ -99,9 +99,13 @@ def _strict(obj):
 
 
 def payload(endpoint: str, model: str, req: SampleRequest, ignore_eos: bool, temperature: float | None) -> dict:
-    body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+    body = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:  # vLLM's extension; false is its default, and a strict server (transformers serve) refuses the key
+        body["ignore_eos"] = True
     if endpoint == CHAT:
         body.update(messages=[{"role": "user", "content": req.prompt}], max_completion_tokens=req.output_len)
+        if not ignore_eos:  # a server without vLLM's extensions may read only the older name (transformers serve)
+            body["max_tokens"] = req.output_len
     else:
         body.update(prompt=req.prompt, max_tokens=req.output_len)
     if temperature is not None:

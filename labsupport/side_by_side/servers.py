@@ -112,3 +112,38 @@ class VllmServer(Worker):
             while time.time() < deadline:
                 os.killpg(self.proc.pid, 0)  # ProcessLookupError once every member has exited
                 time.sleep(0.1)
+
+
+class TransformersServer(Worker):
+    """``transformers serve FOLDER``: Hugging Face's own OpenAI-compatible server, the baseline most people
+    start from (``--continuous-batching`` turns on its paged, continuously batched generation).
+
+    It runs in the lab's environment (no venv of its own). It has no ``ignore_eos`` (it refuses the key), so
+    a client must not send it, and its requests may end early at EOS: count the tokens it actually sent.
+    ``HF_HUB_CACHE`` points at an empty folder of its own: its ``/v1/models`` scans the hub cache and fails
+    with a 500 where there is none (this lab has no hub)."""
+
+    def __init__(self, model: str | os.PathLike, port: int | None = None, continuous_batching: bool = False,
+                 args: list[str] | tuple = ()):
+        super().__init__(None, None, port, str(model), args, name=None)
+        self.continuous_batching = continuous_batching
+        self.name = f"transformers:{self.port}"
+        self.log_path = self.log_path.replace("labsupport-worker", "labsupport-transformers")
+
+    def command(self) -> list[str]:
+        import sys
+        cmd = [sys.executable, "-c", "import sys; from transformers.cli.transformers import main; sys.exit(main())",
+               "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
+               "--dtype", "float32" if not on_gpu() else "auto", "--device", "cpu" if not on_gpu() else "auto"]
+        if self.continuous_batching:
+            cmd.append("--continuous-batching")
+        return cmd + self.args
+
+    def environment(self) -> dict:
+        import tempfile
+        env = dict(os.environ)
+        hub = os.path.join(tempfile.gettempdir(), "labsupport-empty-hf-hub")
+        os.makedirs(hub, exist_ok=True)
+        env.update({"HF_HUB_CACHE": hub, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                    "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"})
+        return env
