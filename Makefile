@@ -41,7 +41,7 @@ test-vllm: model vllm
 	$(BIN)/python -m pytest -q -m vllm_serve tests
 
 nbval: model
-	$(BIN)/python -m pytest -q $(NBVAL) $(CHAPTERS)
+	$(BIN)/python -m pytest -q --durations=25 $(NBVAL) $(CHAPTERS)
 
 # Node packages: Marp for the decks, the widget JavaScript for browser tests (no CDN).
 slides-deps:

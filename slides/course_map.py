@@ -24,6 +24,7 @@ CHAPTERS = {
     "07": ("PD disaggregation", ["prefill", "KV blocks", "decode"]),
     "08": ("the same in vLLM", PATH),
     "09": ("compute less", ["prefill", "decode"]),
+    "10": ("wrap-up: the whole course", PATH),  # the last deck; no chapter of its own to highlight
 }
 
 # The seeds' pictures, where one teaches: a clinic for scheduling, a restaurant for prefill and decode.
@@ -51,7 +52,7 @@ def _chapter(nn: str, here: str) -> str:
 
 
 def course_map(here: str) -> str:
-    """The map slide's markdown, chapter ``here`` ("00".."09") highlighted."""
+    """The map slide's markdown, chapter ``here`` ("00".."09") highlighted ("10", the wrap-up: the whole path)."""
     if here not in CHAPTERS:
         raise ValueError(f"no chapter {here!r} on the course map")
     touched = set(CHAPTERS[here][1])
@@ -60,8 +61,9 @@ def course_map(here: str) -> str:
                      for waste, how, chapters in WASTES)
     return (f"<!-- _class: dense -->\n\n<style scoped>\ntable {{ font-size: 19px; }}\n"
             f".caption {{ font-size: 19px; }}\nh2 {{ margin-bottom: 4px; }}\n</style>\n\n"
-            f"## Where chapter {here} sits: {CHAPTERS[here][0]}\n\n"
-            f"<div class=\"caption\">\n\n{path}\n\n</div>\n\n"
+            + (f"## Where chapter {here} sits: {CHAPTERS[here][0]}\n\n" if here != "10" else
+               "## The course map: every station of the path, every chapter\n\n")
+            + f"<div class=\"caption\">\n\n{path}\n\n</div>\n\n"
             f"| the waste | what removes it | chapters |\n|---|---|---|\n{rows}\n\n"
             f"<div class=\"caption\">\n\nIn bold on the path: what this chapter changes."
             + (f" The picture: {PICTURES[here]}." if here in PICTURES else "") + "\n\n</div>\n")
