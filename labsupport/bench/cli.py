@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
         if args.subcommand == "course-table":  # records the busy check in its JSON
             from .course_table import main as table_main
             return table_main(args)
-        if args.subcommand == "capstone":  # servers on this machine: its own busy record per column
+        if args.subcommand == "capstone":  # records the busy check (at its start) in its JSON
             from .capstone import main as capstone_main
             return capstone_main(args)
         if args.subcommand == "serve":  # the server under test shares the machine: no busy check
