@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from labsupport import LLM, SamplingParams
+from labsupport.checks.acceptance import CHI2_DF5, CHI2_DF35, markov_pairs
 from labsupport.engine.runner import sequence_logits
 from labsupport.engine.spec_decode import check_speculative_config, ngram_propose, rejection_sample
 from labsupport.models.llama import ModelConfig
@@ -25,7 +26,6 @@ REPETITIVE = [
     "def area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n\ndef area(w, h):\n",
     "Extract the names: Alice met Bob. Bob met Carol. Carol met Alice. Names: Alice, Bob,",
 ]
-CHI2_DF5, CHI2_DF35 = 20.52, 66.62  # chi-square critical values at alpha = 0.001
 
 
 @pytest.fixture(scope="module")
@@ -72,29 +72,7 @@ def test_greedy_rule_keeps_guesses_up_to_the_first_disagreement():
 def test_rule_keeps_the_target_distribution_over_whole_steps():
     """A toy target and draft (Markov chains over 6 tokens) generate two tokens by speculative steps;
     the pairs must follow the target's joint distribution p0(a) T[a, b], whatever the draft."""
-    gen = torch.Generator().manual_seed(0)
-    v, k = 6, 3
-    p0 = torch.softmax(torch.randn(v, generator=gen) * 1.5, -1)
-    target = torch.softmax(torch.randn(v, v, generator=gen) * 1.5, -1)  # next-token table of the target
-    draft = torch.softmax(torch.randn(v, v, generator=gen) * 1.5, -1)  # a different one: many rejections
-    q0 = torch.softmax(torch.randn(v, generator=gen), -1)
-    counts = torch.zeros(v, v)
-    trials = 12000
-    for _ in range(trials):
-        out = []
-        while len(out) < 2:
-            first = p0 if not out else target[out[-1]]
-            q_first = q0 if not out else draft[out[-1]]
-            guesses, qs, q = [], [], q_first
-            for _ in range(k):
-                d = int(torch.multinomial(q, 1, generator=gen))
-                guesses.append(d)
-                qs.append(q)
-                q = draft[d]
-            rows = torch.stack([first] + [target[d] for d in guesses])
-            out += rejection_sample(rows, guesses, torch.stack(qs), gen)
-        counts[out[0], out[1]] += 1
-    expected = trials * p0[:, None] * target
+    counts, expected, _, _ = markov_pairs(rejection_sample, trials=12000, seed=0)  # the check's own simulation
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < CHI2_DF35, chi2
 

@@ -12,8 +12,8 @@ time, with the same requests (chapter 06's load generator, ``serve_datasets``):
 Each row is a kind of traffic, with the metric its users feel (``Traffic.headline``): short chat (capacity:
 output tokens/s, hence $ per million tokens), long-document RAG (long unique prompts among chats, Poisson:
 SLO attainment: the long prompts' TTFT and the TPOT of everyone decoding beside them), a shared system
-prompt (capacity), bursty load (gamma arrivals: SLO attainment) and long reasoning outputs (few users, long worked answers: the time
-to the whole answer, P50). The decision table says, per traffic,
+prompt (capacity), bursty load (gamma arrivals: SLO attainment) and long reasoning outputs (few users,
+long worked answers: the time to the whole answer, P50). The decision table says, per traffic,
 which techniques pay (the headline better by more than ``PAYS``), which cost, and which do nothing; the full
 table keeps throughput, TTFT, TPOT and tails side by side, because they pull against each other.
 

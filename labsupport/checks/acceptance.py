@@ -53,7 +53,7 @@ def _check_greedy(rule):
                               f"{want}, got {got}. {why}")
 
 
-def _markov_pairs(rule, trials: int, seed: int, k: int = 3):
+def markov_pairs(rule, trials: int, seed: int, k: int = 3):
     """Two tokens from whole speculative steps of a toy target and draft; returns counts and the exact joint."""
     gen = torch.Generator().manual_seed(seed)
     v = 6
@@ -83,7 +83,7 @@ def _markov_pairs(rule, trials: int, seed: int, k: int = 3):
 
 
 def _check_distribution(rule, trials: int):
-    counts, expected, accepted, best_rate = _markov_pairs(rule, trials, seed=0)
+    counts, expected, accepted, best_rate = markov_pairs(rule, trials, seed=0)
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     if chi2 > CHI2_DF35:
         worst = int(((counts - expected) ** 2 / expected).argmax())

@@ -153,11 +153,18 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self._generator(req, probs.device)))
 
     def _generator(self, req: Request, device) -> torch.Generator | None:
-        if req.params.seed is None:
-            return None
-        if req.request_id not in self.generators:
-            self.generators[req.request_id] = torch.Generator(device=device).manual_seed(req.params.seed)
-        return self.generators[req.request_id]
+        return seeded_generator(self.generators, req, device)
 
     def release(self, req: Request):
         self.generators.pop(req.request_id, None)
+
+
+def seeded_generator(generators: dict, req, device, salt: int = 0) -> torch.Generator | None:
+    """The request's own random stream (None without a seed), made on first use and kept in
+    ``generators`` by request id: a seeded request draws the same tokens whatever it is batched
+    with. ``salt`` gives a second stream from the same seed (the draft model's)."""
+    if req.params.seed is None:
+        return None
+    if req.request_id not in generators:
+        generators[req.request_id] = torch.Generator(device=device).manual_seed(req.params.seed ^ salt)
+    return generators[req.request_id]

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from .sampler import seeded_generator
+
 METHODS = ("ngram", "draft_model")
 
 
@@ -170,11 +172,7 @@ class DraftModelProposer:
 
     def _generator(self, req, device) -> torch.Generator | None:
         """The draft's own seeded stream: the target's draws stay where a seed puts them."""
-        if req.params.seed is None:
-            return None
-        if req.request_id not in self.generators:
-            self.generators[req.request_id] = torch.Generator(device=device).manual_seed(req.params.seed ^ 0x5EED)
-        return self.generators[req.request_id]
+        return seeded_generator(self.generators, req, device, salt=0x5EED)
 
     def release(self, req):
         self.generators.pop(req.request_id, None)

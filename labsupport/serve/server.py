@@ -81,15 +81,9 @@ def add_serve_arguments(srv):
 def kv_transfer_config(args) -> dict | None:
     """The engine's ``kv_transfer_config`` from ``--kv-transfer-config`` and the ``--kv-*`` flags (None: no
     connector). Raises ValueError saying what is wrong."""
-    import json
     if args.kv_transfer_config is None and args.role is None:
         return None
-    try:
-        config = json.loads(args.kv_transfer_config) if args.kv_transfer_config else {}
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--kv-transfer-config is not JSON: {exc}") from exc
-    if not isinstance(config, dict):
-        raise ValueError("--kv-transfer-config must be a JSON object")
+    config = json_flag(args.kv_transfer_config or None, "--kv-transfer-config") or {}
     roles = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both", None: "kv_both"}
     defaults = {"kv_connector": "TcpConnector", "kv_role": roles[args.role], "kv_ip": args.kv_ip,
                 "kv_port": args.kv_port, "kv_lease_s": args.kv_lease_s,

@@ -36,7 +36,7 @@ def format_full(r: dict) -> str:
     for t in r["traffics"]:
         out += ["", f"{t['name']} ({t['requests']} requests, {t['prompt_tokens_mean']:.0f} prompt tokens on average, "
                     f"{t['output_tokens']} output tokens; rate "
-                    f"{'all at once' if t['rate'] in (math.inf, 'inf', None) or t['rate'] == float('inf') else t['rate']}"
+                    f"{'all at once' if t['rate'] in (math.inf, 'inf', None) else t['rate']}"
                     f"{'' if t['burstiness'] == 1 else ', burstiness ' + str(t['burstiness'])}; "
                     f"SLO TTFT <= {t['ttft_ms']:.0f} ms, TPOT <= {t['tpot_ms']:.0f} ms)", head]
         for c in r["columns"]:
@@ -62,7 +62,8 @@ def format_decision(r: dict) -> str:
     rows = r["decision"]
     techs = list(rows[0]["techniques"]) if rows else []
     out = [f"What each technique does to each traffic's headline (all vs all - technique; pays/costs: more than "
-           f"{100 * r['pays_above']:.0f} % better/worse, one run per cell; idle: no prefix shared, nothing to reuse)", f"{'traffic':22} {'headline':13} " + " ".join(f"{t[:18]:>18}" for t in techs)
+           f"{100 * r['pays_above']:.0f} % better/worse, one run per cell; idle: no prefix shared, nothing to reuse)",
+           f"{'traffic':22} {'headline':13} " + " ".join(f"{t[:18]:>18}" for t in techs)
            + f" {'best of ours':>32} {'vs transformers':>16} {'vs vLLM':>8}"]
     for row in rows:
         cells = [f"{v['verdict']} {_fmt(v['x'], '.2f')}x" for v in row["techniques"].values()]
