@@ -29,13 +29,21 @@ model: setup
 lab: model
 	$(BIN)/jupyter lab notebooks/ $(LAB_ARGS)
 
-# vllm before unit: the vLLM tests (bench serve, chapter 08) run it from .venv-vllm (without it, they skip)
-test: model slides-deps browser-deps vllm unit nbval
+# The installs run side by side (they wait on the network and the disk more than the CPU); vllm
+# before unit: the vLLM tests (bench serve, chapter 08) run it from .venv-vllm (without it, they skip).
+test:
+	$(MAKE) -j4 model slides-deps browser-deps vllm
+	$(MAKE) unit nbval
 
 # Tests that start `vllm serve` are left to chapter 08, which nbval runs with the same checks (CI time);
 # `make test-vllm` runs them.
+# Two worker processes, one thread each: many tests wait on a server starting or answering, and two
+# one-thread processes use a 2-core CPU better than one process with two threads (each test file stays
+# on one worker, so its module's server starts once). UNIT_WORKERS=0 runs them in this process.
+UNIT_WORKERS ?= 2
+UNIT_THREADS := $(if $(filter 0,$(UNIT_WORKERS)),,OMP_NUM_THREADS=1)
 unit: model
-	$(BIN)/python -m pytest -q --durations=30 -m "not vllm_serve" tests
+	$(UNIT_THREADS) $(BIN)/python -m pytest -q --durations=30 -n $(UNIT_WORKERS) --dist loadfile -m "not vllm_serve" tests
 
 test-vllm: model vllm
 	$(BIN)/python -m pytest -q -m vllm_serve tests
