@@ -154,6 +154,25 @@ def test_draft_models_right_and_wrong_give_plain_greedy_output(llm, wrong_draft)
         spec_llm.shutdown()
 
 
+def test_a_draft_models_pool_counts_against_the_kv_budget(wrong_draft):
+    """The draft's pool has as many blocks as the target's, so one budget must hold both (as in vLLM)."""
+    plain = LLM(device="cpu", num_blocks=4)
+    per_block = plain.engine.backend.pool_bytes // 4  # the target's bytes per block
+    plain.shutdown()
+    budget = 40 * per_block
+    alone = LLM(device="cpu", kv_cache_memory_bytes=budget)
+    spec = LLM(device="cpu", kv_cache_memory_bytes=budget, speculative_config={
+        "method": "draft_model", "model": wrong_draft, "num_speculative_tokens": 2})
+    draft_pool = spec.engine.speculator.draft.backend
+    assert alone.engine.backend.num_blocks == 40 and spec.engine.backend.num_blocks == 39
+    assert draft_pool.num_blocks == 39 and spec.engine.backend.pool_bytes + draft_pool.pool_bytes <= budget
+    out = spec.generate(REPETITIVE[:1], greedy(8), use_tqdm=False)[0]
+    assert out.token_ids == alone.generate(REPETITIVE[:1], greedy(8), use_tqdm=False)[0].token_ids
+    assert_all_blocks_free(spec)
+    alone.shutdown()
+    spec.shutdown()
+
+
 def test_sampled_tokens_follow_the_target_distribution():
     """Temperature 1 on a repetitive prompt: prompt lookup guesses the next items, the rule accepts or
     resamples. Given the most common first token, the second (verified) token's counts must fit the

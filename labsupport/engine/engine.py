@@ -43,6 +43,7 @@ class LLMEngine:
             self.quantization_report = quantize_model(self.model, config.quantization)
         limit = self.model.config.max_position_embeddings
         self.config = dataclasses.replace(config, max_model_len=min(config.max_model_len or min(limit, 8192), limit))
+        self.draft_model = self._load_draft()  # chapter 09: before the pool is sized, as its KV shares the budget
         self.kv, self.backend = self._make_kv_and_backend()
         self.runner = ModelRunner(self.model, self.backend, self.device)
         if getattr(self.backend, "scratch_slot", None) is not None:  # made for CUDA graphs (_use_cuda_graphs)
@@ -81,17 +82,23 @@ class LLMEngine:
         kv.copy_block = backend.copy_block  # copy-on-write (parallel samples, chapter 04)
         return kv, backend
 
+    def _load_draft(self):
+        """The draft model of ``speculative_config`` (None for prompt lookup or no speculation)."""
+        spec = self.config.speculative_config
+        if not spec or spec["method"] != "draft_model":
+            return None
+        draft, _, _ = load_model(spec["model"], self.device, next(self.model.parameters()).dtype)
+        if draft.config.vocab_size != self.model.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) differs from the "
+                             f"target's ({self.model.config.vocab_size}): choose a draft of the same tokenizer")
+        return draft
+
     def _make_speculator(self) -> Speculator:
         """Prompt lookup needs nothing more; a draft model gets its own KV pool with the target's block ids."""
-        spec = self.config.speculative_config
-        if spec["method"] == "ngram":
+        spec, draft = self.config.speculative_config, self.draft_model
+        if draft is None:
             return Speculator(spec, self.kv)
-        dtype = next(self.model.parameters()).dtype
-        draft, _, _ = load_model(spec["model"], self.device, dtype)
-        cfg = draft.config
-        if cfg.vocab_size != self.model.config.vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({cfg.vocab_size} tokens) differs from the target's "
-                             f"({self.model.config.vocab_size}): choose a draft of the same tokenizer")
+        cfg, dtype = draft.config, next(self.model.parameters()).dtype
         pool = PagedAttention(cfg.num_layers, self.backend.num_blocks, self.config.block_size, cfg.num_kv_heads,
                               cfg.head_dim, dtype, self.device)
         return Speculator(spec, self.kv, DraftModelProposer(draft, pool, self.runner.sampler))
@@ -105,12 +112,15 @@ class LLMEngine:
 
     def _blocks_in_budget(self, dtype) -> int:
         """Blocks of the default pool: as many as ``kv_cache_memory_bytes`` holds; without it, on a GPU,
-        what ``gpu_memory_utilization`` leaves (``gpu_kv_cache_bytes``), on the CPU ``CPU_KV_CACHE_BYTES``."""
+        what ``gpu_memory_utilization`` leaves (``gpu_kv_cache_bytes``), on the CPU ``CPU_KV_CACHE_BYTES``.
+        A draft model's pool has as many blocks (the same ids), so a block costs both models' bytes."""
         cfg, c = self.model.config, self.config
-        per_block = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize * c.block_size
+        nets = [self.model] + ([self.draft_model] if self.draft_model is not None else [])
+        per_block = sum(2 * n.config.num_layers * n.config.num_kv_heads * n.config.head_dim for n in nets) \
+            * dtype.itemsize * c.block_size
         budget = c.kv_cache_memory_bytes
         if budget is None and self.device.type == "cuda":
-            weights = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
+            weights = sum(t.numel() * t.element_size() for n in nets for t in [*n.parameters(), *n.buffers()])
             budget = gpu_kv_cache_bytes(c, cfg, weights, per_block, *device_memory(self.device))
         elif budget is None:
             budget = CPU_KV_CACHE_BYTES
