@@ -34,11 +34,9 @@ def ngram_llm():
                max_num_batched_tokens=64, num_blocks=256)
 
 
-@pytest.fixture(scope="module")
-def wrong_draft(tmp_path_factory):
-    """A draft of the default model's vocabulary with random weights: nearly every guess is rejected."""
-    folder = tmp_path_factory.mktemp("random-draft")
-    cfg = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128,
+def random_draft(folder, vocab_size: int = 49152) -> str:
+    """A tiny random Llama with the default model's tokenizer files, saved in ``folder``."""
+    cfg = {"model_type": "llama", "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128,
            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
            "max_position_embeddings": 8192, "tie_word_embeddings": True, "rms_norm_eps": 1e-5}
     (folder / "config.json").write_text(json.dumps(cfg))
@@ -48,6 +46,18 @@ def wrong_draft(tmp_path_factory):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(prepare_default_model() / name, folder / name)
     return str(folder)
+
+
+@pytest.fixture(scope="module")
+def wrong_draft(tmp_path_factory):
+    """A draft of the default model's vocabulary with random weights: nearly every guess is rejected."""
+    return random_draft(tmp_path_factory.mktemp("random-draft"))
+
+
+def test_a_draft_of_another_vocabulary_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="vocabulary .1000 tokens. differs"):
+        LLM(device="cpu", num_blocks=8, speculative_config={
+            "method": "draft_model", "model": random_draft(tmp_path, vocab_size=1000), "num_speculative_tokens": 2})
 
 
 def greedy(max_tokens=32, **kw):
