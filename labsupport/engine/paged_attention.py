@@ -26,9 +26,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from .attention import AttentionBackend, AttentionBatch
+from .attention import AttentionBackend, AttentionBatch, sdpa
 from .block_pool import slot_mapping
 
 
@@ -78,9 +77,7 @@ def prefill_attention(q, k, v, k_pool, v_pool, rows: PrefillRows) -> torch.Tenso
         ctx = keys.shape[1]
         mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(diagonal=ctx - n)
         causal = False
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, is_causal=causal,
-                                         enable_gqa=True)
-    return out.transpose(0, 1)
+    return sdpa(q.transpose(0, 1), keys, values, mask, causal).transpose(0, 1)
 
 
 VERIFY_ROWS = 17  # 1 + the most guesses a step verifies (num_speculative_tokens <= 16)

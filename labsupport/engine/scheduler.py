@@ -88,10 +88,7 @@ def admit_one(s, req: Request, out: SchedulerOutput, budget_left: int) -> int:
     step runs even if it exceeds the budget, or it would wait forever.
     """
     hit = s.kv.find_cached_prefix(req)                  # what the prefix cache holds already (chapter 03)
-    remaining = req.num_tokens - req.num_computed_tokens - hit.num_tokens
-    n = s.chunk_rule(remaining, budget_left, s.config.enable_chunked_prefill, s.config.long_prefill_token_threshold)
-    if n == 0 and not out.requests:
-        n = remaining                                   # alone in its step: it runs whatever its size
+    n = s.num_new_tokens(req, budget_left, out, skip=hit.num_tokens)  # the chunk rule; alone, it runs whole
     if n == 0 or not s.kv.can_allocate(req, n, hit):    # blocks for the hit (unless live) and this chunk
         return 0
     s.admit(req, hit)                                   # its computed tokens are now the hit's
