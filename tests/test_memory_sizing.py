@@ -12,7 +12,7 @@ import torch
 from labsupport import LLM, SamplingParams
 from labsupport.engine import engine as engine_module
 from labsupport.engine.config import EngineConfig, gpu_kv_cache_bytes
-from labsupport.models import loader
+from labsupport.models import llama, loader
 
 GiB = 2**30
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -227,3 +227,30 @@ def test_shared_weights_go_with_the_last_engine_and_a_rewritten_checkpoint_reloa
     transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(tiny_folder)).save_pretrained(tiny_folder)
     d = LLM(model=str(tiny_folder), device="cpu", num_blocks=4)
     assert d.engine.model.shared_weights is not c.engine.model.shared_weights  # new checkpoint, new weights
+
+
+needs_onednn = pytest.mark.skipif(llama._onednn_linear is None, reason="oneDNN packing is used on x86 CPUs only")
+
+
+@needs_onednn
+def test_engines_of_one_model_share_its_packed_cpu_weights(tiny_folder):
+    a, b = LLM(model=str(tiny_folder), device="cpu", num_blocks=4), LLM(model=str(tiny_folder), device="cpu", num_blocks=4)
+    pa, pb = a.engine.model.model.layers[0].mlp.up_proj.packed, b.engine.model.model.layers[0].mlp.up_proj.packed
+    assert pa is not None and pa[0] is pb[0]  # one packed copy per process, not one per engine
+    assert set(a.engine.model.shared_weights.packed) >= {"lm_head", "model.layers.1.self_attn.k_proj"}
+
+
+@needs_onednn
+def test_a_packed_linear_equals_the_plain_one_and_notices_a_rewritten_weight():
+    torch.manual_seed(0)
+    m = llama.Linear(48, 80, bias=True)
+    llama.pack_cpu_weights(torch.nn.Sequential(m), {})
+    for rows in (1, 5, 70, 300):  # decode- and prefill-sized
+        x = torch.randn(rows, 48)
+        torch.testing.assert_close(m(x), torch.nn.functional.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        m.weight.mul_(2)  # written in place: the packed copy is stale and must not be used
+    x = torch.randn(3, 48)
+    torch.testing.assert_close(m(x), torch.nn.functional.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+    m.weight = torch.nn.Parameter(torch.randn(80, 48))  # replaced
+    torch.testing.assert_close(m(x), torch.nn.functional.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)

