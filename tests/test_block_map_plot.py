@@ -48,5 +48,7 @@ def test_plot_block_map_marks_a_leaked_block():
     squares = [p for p in ax.patches if p.get_width() == 0.9 and p.get_height() == 0.9]
     assert to_hex(squares[0].get_facecolor()) == ORPHAN and to_hex(squares[2].get_facecolor()) != ORPHAN
     assert "held, no request owns it" in [t.get_text() for t in ax.get_legend().get_texts()]
+    s = summarize(leak)  # the held block's 4 empty slots are not fragmentation: only a's last block's 1
+    assert s["unowned"] == 1 and s["fragmentation"] == 1 and "1 held by no request" in ax.get_title(loc="left")
     healthy = plot_block_map(snapshot(), columns=4).axes[0]
     assert "held, no request owns it" not in [t.get_text() for t in healthy.get_legend().get_texts()]

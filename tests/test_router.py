@@ -214,6 +214,65 @@ def test_cli_router_starts_and_exits_0_on_sigterm(capsys):
     assert main(["router", "--prefill", w.url]) == 2 and "--decode" in capsys.readouterr().err
 
 
+def slow_worker(seen: dict) -> FastAPI:
+    """A stand-in that streams an event every 50 ms for a minute, or answers JSON after a minute;
+    ``seen`` counts plain requests and records each stream's end (a client hanging up ends it early)."""
+    import asyncio
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.post("/v1/completions")
+    async def complete(request: Request):
+        if not (await request.json()).get("stream"):
+            seen["plain"] += 1
+            await asyncio.sleep(60)
+            return {"choices": [{"text": "late"}]}
+
+        async def events():
+            try:
+                for i in range(1200):
+                    yield f'data: {{"choices": [{{"text": " {i}"}}]}}\n\n'.encode()
+                    await asyncio.sleep(0.05)
+            finally:
+                seen["ended"].append(time.time())
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def test_shutdown_ends_streams_and_requests_in_flight_with_an_error():
+    """As a worker does on SIGTERM: the router's streams in flight get an SSE error and [DONE] at once
+    (and their worker streams are closed), a plain request in flight gets 503 JSON, new ones 503."""
+    seen = {"plain": 0, "ended": []}
+    with BackgroundServer(slow_worker(seen)) as w, router(instances=[w.url]) as r:
+        with ThreadPoolExecutor(1) as pool:
+            plain = pool.submit(httpx.post, r.url + "/v1/completions", json=SHORT, timeout=30)
+            with httpx.stream("POST", r.url + "/v1/completions", json={**SHORT, "stream": True}, timeout=30) as s:
+                lines = s.iter_lines()
+                assert next(line for line in lines if line).startswith("data: {")
+                deadline = time.time() + 10
+                while not seen["plain"] and time.time() < deadline:  # the plain request is on the worker
+                    time.sleep(0.02)
+                started = time.time()
+                r.app.state.engine.shutdown()
+                rest = [line for line in lines if line]
+            assert time.time() - started < 5  # not the minute the worker would have taken
+            assert rest[-1] == "data: [DONE]"
+            error = json.loads(rest[-2].removeprefix("data: "))
+            assert_openai_error(503, error)
+            assert "shutting down" in error["error"]["message"]
+            late = plain.result()
+            assert_openai_error(late.status_code, late.json(), 503)
+        assert httpx.post(r.url + "/v1/completions", json=SHORT).status_code == 503
+        deadline = time.time() + 5
+        while not seen["ended"] and time.time() < deadline:
+            time.sleep(0.05)
+        assert seen["ended"] and seen["ended"][0] - started < 5  # the worker's stream was closed, not left running
+
+
 # ------------------------------------------------------------------ instance mode, real servers
 
 

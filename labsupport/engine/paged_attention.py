@@ -54,12 +54,16 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
 
     Grouped-query attention without repeating K/V: the query heads that share a KV head are
     that head's rows of one matmul ([Hkv, B, G, D] @ [Hkv, B, D, S])."""
-    hkv, _, d = k_pool.shape
+    hkv, slots, d = k_pool.shape
     b, h, _ = q.shape
-    tables = rows.block_tables
-    # whole blocks in one index_select each (about 2x faster than indexing slot by slot)
-    keys = k_pool.view(hkv, -1, block_size * d).index_select(1, tables.flatten()).view(hkv, b, -1, d)  # [Hkv, B, S, D]
-    values = v_pool.view(hkv, -1, block_size * d).index_select(1, tables.flatten()).view(hkv, b, -1, d)
+    # Whole blocks, gathered as rows of the pool seen as [Hkv * blocks, block_size * D]: row
+    # head * blocks + block is one block of one head, so each gathered row is one contiguous copy.
+    # (Indexing blocks along dim 1 of [Hkv, blocks, ...] instead was 4x slower here, and indexing
+    # slot by slot 2x slower than that.)
+    blocks = slots // block_size
+    rows_of = (rows.block_tables.flatten()[None, :] + torch.arange(hkv, device=q.device)[:, None] * blocks).flatten()
+    keys = k_pool.view(hkv * blocks, block_size * d).index_select(0, rows_of).view(hkv, b, -1, d)  # [Hkv, B, S, D]
+    values = v_pool.view(hkv * blocks, block_size * d).index_select(0, rows_of).view(hkv, b, -1, d)
     queries = q.view(b, hkv, h // hkv, d).transpose(0, 1)                      # [Hkv, B, G, D]
     scores = (queries @ keys.transpose(-1, -2)).float() * (1.0 / math.sqrt(d))  # [Hkv, B, G, S]
     scores.masked_fill_(rows.padding[None, :, None, :], float("-inf"))

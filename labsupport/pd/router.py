@@ -20,7 +20,9 @@ itself). A request whose worker dies under it gets OpenAI's 503 JSON or, once it
 started, an SSE ``error`` event and ``[DONE]``: the client learns at once instead of waiting on a
 stream that will never end. A refused connection is retried on another worker (the request
 never reached the first). A client hanging up closes the upstream request, so the worker aborts
-it and frees its blocks. ``x-pd-route`` on every answer says where the request went.
+it and frees its blocks. ``x-pd-route`` on every answer says where the request went. On SIGTERM
+the router does what a worker does: new requests get 503, and those in flight end at once with
+503 JSON or, mid-stream, an SSE ``error`` event and ``[DONE]`` (their workers abort them).
 """
 from __future__ import annotations
 
@@ -80,6 +82,7 @@ class Router:
         self.pd = "prefill" in self.workers.pools
         self.health_interval, self.request_timeout = health_interval, request_timeout
         self.client, self.health_task, self.stopping = None, None, False
+        self.loop, self.stopped = None, None  # the event loop, and the Event that ends requests in flight
         self.registry = r = CollectorRegistry()  # one per router: several in one process do not clash
         self.requests = Counter("labsupport_router:requests", "Requests received, by route.", ["route"], registry=r)
         self.errors = Counter("labsupport_router:worker_errors", "Worker failures seen: refused or broken "
@@ -95,6 +98,7 @@ class Router:
                 self.errors.labels(url)
 
     async def start(self):
+        self.loop, self.stopped = asyncio.get_running_loop(), asyncio.Event()
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.request_timeout, connect=CONNECT_TIMEOUT_S),
                                         limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512))
         await self.probe_all()
@@ -107,8 +111,28 @@ class Router:
         await self.client.aclose()
 
     def shutdown(self, wait: bool = False):
-        """On SIGTERM (``serve.server.serve`` calls it): new requests get 503; those in flight may finish."""
+        """On SIGTERM (``serve.server.serve`` calls it): new requests get 503, those in flight end with an
+        error. Only flags: safe in a signal handler and from another thread."""
         self.stopping = True
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.stopped.set)
+
+    async def unless_stopping(self, awaitable):
+        """``await awaitable``, unless the router stops first: then it is cancelled and a 503 raised."""
+        if self.stopped is None:
+            return await awaitable
+        work, stop = asyncio.ensure_future(awaitable), asyncio.ensure_future(self.stopped.wait())
+        try:
+            await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not work.done():
+                work.cancel()
+                with anyio.CancelScope(shield=True):  # let it unwind (close its socket) before we go on
+                    await asyncio.wait({work})
+        if work.cancelled():
+            raise APIError(503, "the router is shutting down", UNAVAILABLE)
+        return work.result()
 
     async def probe_all(self):
         for url in await self.workers.probe_all(self.client, PROBE_TIMEOUT_S):
@@ -182,8 +206,8 @@ class Router:
             up = await self.open(role, path, body, headers, route)
             if body.get("stream") and up.response.status_code == 200 and \
                     up.response.headers.get("content-type", "").startswith("text/event-stream"):
-                return StreamingResponse(self.relay(up), media_type="text/event-stream", headers=route_header(route),
-                                         background=BackgroundTask(up.close))
+                return RelayResponse(self.relay(up), media_type="text/event-stream", headers=route_header(route),
+                                     background=BackgroundTask(up.close))
             return passthrough(up, await self.read(up), route)
         except APIError as exc:
             return error_response(exc.status, exc.message, exc.type, exc.param, headers=route_header(route))
@@ -213,21 +237,36 @@ class Router:
     async def relay(self, up: Upstream):
         """The worker's SSE bytes, unchanged, cut at event boundaries so that a stream breaking mid-event
         never hands the client half an event; a break becomes an ``error`` event and ``[DONE]``."""
-        pending = b""
+        pending, chunks = b"", up.response.aiter_bytes()
         try:
-            async for chunk in up.response.aiter_bytes():
+            while (chunk := await self.unless_stopping(anext(chunks, None))) is not None:
                 pending += chunk
                 if cut := events_end(pending):
                     yield pending[:cut]
                     pending = pending[cut:]
             if pending:
                 yield pending
-        except httpx.HTTPError as exc:
-            err = self.upstream_error(up.url, exc)
+        except (httpx.HTTPError, APIError) as exc:  # the worker broke, or the router is stopping
+            err = exc if isinstance(exc, APIError) else self.upstream_error(up.url, exc)
             yield f"data: {json.dumps(error_body(err.status, err.message, err.type))}\n\ndata: [DONE]\n\n".encode()
         finally:
             with anyio.CancelScope(shield=True):  # even when cancelled: the worker must learn we left
                 await up.close()
+
+
+class RelayResponse(StreamingResponse):
+    """A relayed stream that closes its worker's stream as soon as the client's is gone.
+
+    Starlette stops at the first failed send to a client that hung up, and leaves the relay
+    generator to be finalised whenever it is collected; closing it here runs its ``finally`` (the
+    upstream's ``close()``) at once, so the worker aborts the request and frees its blocks now."""
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
 
 
 def events_end(buf: bytes) -> int:
@@ -284,7 +323,10 @@ def create_router_app(prefill=(), decode=(), instances=(), policy="round_robin",
         headers = {"X-Request-Id": request.headers.get("x-request-id") or uuid.uuid4().hex}  # same on both legs
         if "authorization" in request.headers:
             headers["Authorization"] = request.headers["authorization"]
-        return await cancel_on_disconnect(request, router.handle(path, body, headers))  # hang-up: cancel
+        try:  # a hang-up cancels the request; so does the router stopping, with a 503
+            return await cancel_on_disconnect(request, router.unless_stopping(router.handle(path, body, headers)))
+        except APIError as exc:
+            return error_response(exc.status, exc.message, exc.type)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

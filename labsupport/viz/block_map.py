@@ -63,7 +63,10 @@ def assign_colors(request_ids, colors: dict) -> dict:
 
 
 def summarize(snapshot) -> dict:
-    """Counts for the summary line: blocks used, requests, shared, cached, wasted slots."""
+    """Counts for the summary line: blocks used, requests, shared, cached, held by no request, wasted slots.
+
+    A block with a reference but no owner (held for a KV transfer, or leaked) is counted apart: its
+    empty slots are not internal fragmentation, which is the tail of a live request's last block."""
     owners, refs = snapshot["owners"], _ref_counts(snapshot)
     tokens = snapshot.get("tokens")
     used = [b for b in range(len(owners)) if refs[b] > 0]
@@ -73,9 +76,10 @@ def summarize(snapshot) -> dict:
         "requests": len({r for o in owners for r in o}),
         "shared": sum(1 for b in used if refs[b] > 1),
         "cached": sum(1 for b, c in enumerate(snapshot.get("cached") or []) if c and refs[b] == 0),
-        # internal fragmentation: reserved but unfilled slots, the only waste paging leaves
+        "unowned": sum(1 for b in used if not owners[b]),
+        # internal fragmentation: reserved but unfilled slots of requests' blocks, the only waste paging leaves
         "fragmentation": None if tokens is None
-        else sum(snapshot["block_size"] - tokens[b] for b in used),
+        else sum(snapshot["block_size"] - tokens[b] for b in used if owners[b]),
     }
 
 
@@ -107,6 +111,8 @@ def render_html(snapshot, title="KV block pool", colors=None, columns=32, cell=1
              f"{s['shared']} shared"]
     if snapshot.get("cached") is not None:
         parts.append(f"{s['cached']} cached")
+    if s["unowned"]:
+        parts.append(f"{s['unowned']} held by no request")
     if s["fragmentation"] is not None:
         parts.append(f"internal fragmentation {s['fragmentation']} slots")
     legend = [f'<span><i style="background: {colors[r]}"></i>{escape(str(r))}</span>' for r in ids]
@@ -234,6 +240,8 @@ def plot_block_map(snapshot, title="KV block pool", columns=32, ax=None, colors=
     ax.axis("off")
     s = summarize(snapshot)
     extra = [f"{s['cached']} cached"] if snapshot.get("cached") is not None else []
+    if s["unowned"]:
+        extra.append(f"{s['unowned']} held by no request")
     if s["fragmentation"] is not None:
         extra.append(f"internal fragmentation {s['fragmentation']} slots")
     ax.set_title(f"{title} · block size {size}\n" + " · ".join(
