@@ -206,8 +206,8 @@ class Router:
             up = await self.open(role, path, body, headers, route)
             if body.get("stream") and up.response.status_code == 200 and \
                     up.response.headers.get("content-type", "").startswith("text/event-stream"):
-                return RelayResponse(self.relay(up), media_type="text/event-stream", headers=route_header(route),
-                                     background=BackgroundTask(up.close))
+                return StreamingResponse(self.relay(up), media_type="text/event-stream", headers=route_header(route),
+                                         background=BackgroundTask(up.close))
             return passthrough(up, await self.read(up), route)
         except APIError as exc:
             return error_response(exc.status, exc.message, exc.type, exc.param, headers=route_header(route))
@@ -252,21 +252,6 @@ class Router:
         finally:
             with anyio.CancelScope(shield=True):  # even when cancelled: the worker must learn we left
                 await up.close()
-
-
-class RelayResponse(StreamingResponse):
-    """A relayed stream that closes its worker's stream as soon as the client's is gone.
-
-    Starlette stops at the first failed send to a client that hung up, and leaves the relay
-    generator to be finalised whenever it is collected; closing it here runs its ``finally`` (the
-    upstream's ``close()``) at once, so the worker aborts the request and frees its blocks now."""
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
 
 
 def events_end(buf: bytes) -> int:
