@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from labsupport import LLM, SamplingParams
-from labsupport.engine import engine as engine_module
+from labsupport.engine import build
 from labsupport.engine.config import EngineConfig, gpu_kv_cache_bytes
 from labsupport.models import llama, loader
 
@@ -36,12 +36,11 @@ def fake_gpu(llm, monkeypatch):
     engine = llm.engine
     dtype = next(engine.model.parameters()).dtype
     config = engine.config
-    monkeypatch.setattr(engine, "device", torch.device("cuda"))  # only _blocks_in_budget runs "on the GPU"
 
-    def blocks(free, total, **options):
-        monkeypatch.setattr(engine_module, "device_memory", lambda device: (free, total))
-        monkeypatch.setattr(engine, "config", dataclasses.replace(config, **options))
-        return engine._blocks_in_budget(dtype)
+    def blocks(free, total, **options):  # only the sizing runs "on the GPU"
+        monkeypatch.setattr(build, "device_memory", lambda device: (free, total))
+        return build.blocks_in_budget(dataclasses.replace(config, **options), [engine.model],
+                                      torch.device("cuda"), dtype)
 
     blocks.per_block = engine.backend.pool_bytes // engine.kv.num_blocks
     blocks.weights = sum(t.numel() * t.element_size() for t in engine.model.parameters())

@@ -12,24 +12,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 import torch
 
-from ..models.loader import device_memory, load_model, resolve_device
-from .attention import ContiguousAttention, RecomputeAttention
+from ..models.loader import load_model, resolve_device
+from . import build
+from .attention import ContiguousAttention
 from .block_pool import blocks_needed
-from .config import CPU_KV_CACHE_BYTES, RUNTIME_OPTIONS, EngineConfig, gpu_kv_cache_bytes
+from .config import RUNTIME_OPTIONS, EngineConfig
+from .cuda_graphs import DecodeGraphs
 from .detokenizer import IncrementalDetokenizer
-from .kv_cache_manager import ContiguousKVManager, KVCacheManager, KVManager
+from .kv_cache_manager import ContiguousKVManager, KVCacheManager
 from .paged_attention import PagedAttention
-from .prefix_cache import CPUTier
 from .request import Request, RequestOutput, SamplingParams
 from .runner import ModelRunner
-from .cuda_graphs import DecodeGraphs
 from .scheduler import Scheduler, SchedulerOutput
-from .spec_decode import DraftModelProposer, Speculator
 
 log = logging.getLogger(__name__)
 
@@ -43,18 +41,20 @@ class LLMEngine:
             self.quantization_report = quantize_model(self.model, config.quantization)
         limit = self.model.config.max_position_embeddings
         self.config = dataclasses.replace(config, max_model_len=min(config.max_model_len or min(limit, 8192), limit))
-        self.draft_model = self._load_draft()  # chapter 09: before the pool is sized, as its KV shares the budget
-        self.kv, self.backend = self._make_kv_and_backend()
+        self.draft_model = build.load_draft(self.config, self.model, self.device)  # ch. 09: its KV shares the pool
+        self.kv, self.backend = build.kv_and_backend(self.config, self.model, self.device, self.draft_model)
         self.runner = ModelRunner(self.model, self.backend, self.device)
-        if getattr(self.backend, "scratch_slot", None) is not None:  # made for CUDA graphs (_use_cuda_graphs)
+        if getattr(self.backend, "scratch_slot", None) is not None:  # made for CUDA graphs (build.uses_cuda_graphs)
             self.runner.graphs = DecodeGraphs(self.model, self.backend, self.config.max_num_seqs, self.max_model_len)
-        self.scheduler = Scheduler(self.config, self.kv, self._eos_token_ids())
+        self.scheduler = Scheduler(self.config, self.kv, build.eos_token_ids(self.tokenizer, self.model_path))
         self.connector = None  # chapter 07: KV to and from other engines (kv_transfer_config)
         if self.config.kv_transfer_config is not None:
             from ..pd.connector import make_connector
             self.connector = self.scheduler.connector = self.backend.connector = make_connector(
                 self.config.kv_transfer_config, self.backend)
-        self.speculator = self._make_speculator() if self.config.speculative_config else None  # chapter 09
+        self.speculator = (build.speculator(self.config, self.kv, self.backend, self.runner.sampler, self.model,
+                                            self.draft_model, self.device)
+                           if self.config.speculative_config else None)  # chapter 09
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
         self.last_step: SchedulerOutput | None = None
@@ -62,79 +62,6 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.config.max_model_len
-
-    def _make_kv_and_backend(self):
-        cfg, c = self.model.config, self.config
-        dtype = next(self.model.parameters()).dtype
-        if c.kv_cache == "none":
-            return KVManager(), RecomputeAttention()
-        if c.kv_cache == "contiguous":
-            kv = ContiguousKVManager(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, self.device,
-                                     self.max_model_len, budget_bytes=c.kv_cache_memory_bytes)
-            return kv, ContiguousAttention(kv)
-        num_blocks = c.num_blocks or self._blocks_in_budget(dtype)
-        backend = PagedAttention(cfg.num_layers, num_blocks, c.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                 dtype, self.device, scratch_block=self._use_cuda_graphs())
-        cpu_tier = (CPUTier(c.cpu_offload_blocks, backend.k_pool, backend.v_pool, c.block_size)
-                    if c.cpu_offload_blocks else None)
-        kv = KVCacheManager(num_blocks, c.block_size, enable_prefix_caching=c.enable_prefix_caching,
-                            cpu_tier=cpu_tier)
-        kv.copy_block = backend.copy_block  # copy-on-write (parallel samples, chapter 04)
-        return kv, backend
-
-    def _load_draft(self):
-        """The draft model of ``speculative_config`` (None for prompt lookup or no speculation)."""
-        spec = self.config.speculative_config
-        if not spec or spec["method"] != "draft_model":
-            return None
-        draft, _, _ = load_model(spec["model"], self.device, next(self.model.parameters()).dtype)
-        if draft.config.vocab_size != self.model.config.vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) differs from the "
-                             f"target's ({self.model.config.vocab_size}): choose a draft of the same tokenizer")
-        return draft
-
-    def _make_speculator(self) -> Speculator:
-        """Prompt lookup needs nothing more; a draft model gets its own KV pool with the target's block ids."""
-        spec, draft = self.config.speculative_config, self.draft_model
-        if draft is None:
-            return Speculator(spec, self.kv)
-        cfg, dtype = draft.config, next(self.model.parameters()).dtype
-        pool = PagedAttention(cfg.num_layers, self.backend.num_blocks, self.config.block_size, cfg.num_kv_heads,
-                              cfg.head_dim, dtype, self.device)
-        return Speculator(spec, self.kv, DraftModelProposer(draft, pool, self.runner.sampler))
-
-    def _use_cuda_graphs(self) -> bool:
-        """Decode steps replay CUDA graphs on a GPU with the Triton kernel, unless ``enforce_eager``."""
-        if self.device.type != "cuda" or self.config.enforce_eager or self.config.kv_cache != "paged":
-            return False
-        from . import triton_attention
-        return triton_attention.available(self.device)
-
-    def _blocks_in_budget(self, dtype) -> int:
-        """Blocks of the default pool: as many as ``kv_cache_memory_bytes`` holds; without it, on a GPU,
-        what ``gpu_memory_utilization`` leaves (``gpu_kv_cache_bytes``), on the CPU ``CPU_KV_CACHE_BYTES``.
-        A draft model's pool has as many blocks (the same ids), so a block costs both models' bytes."""
-        cfg, c = self.model.config, self.config
-        nets = [self.model] + ([self.draft_model] if self.draft_model is not None else [])
-        per_block = sum(2 * n.config.num_layers * n.config.num_kv_heads * n.config.head_dim for n in nets) \
-            * dtype.itemsize * c.block_size
-        budget = c.kv_cache_memory_bytes
-        if budget is None and self.device.type == "cuda":
-            weights = sum(t.numel() * t.element_size() for n in nets for t in [*n.parameters(), *n.buffers()])
-            budget = gpu_kv_cache_bytes(c, cfg, weights, per_block, *device_memory(self.device))
-        elif budget is None:
-            budget = CPU_KV_CACHE_BYTES
-        if budget < per_block:
-            raise ValueError(f"kv_cache_memory_bytes={budget} holds no block of {per_block} bytes")
-        return budget // per_block
-
-    def _eos_token_ids(self) -> set[int]:
-        ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
-        gen = self.model_path / "generation_config.json"
-        if gen.exists():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-            ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        return ids
 
     # ------------------------------------------------------------------ options and plug points
 

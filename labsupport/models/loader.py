@@ -162,8 +162,8 @@ def shared_weights(folder: Path, device: torch.device, dtype: torch.dtype, tied:
 def device_memory(device: str | torch.device) -> tuple[int, int]:
     """``(free, total)`` bytes of ``device``'s memory: on CUDA the driver's figures, else the machine's RAM.
 
-    The engine reads device memory only here (``LLMEngine._blocks_in_budget``), so a test can put a
-    fake figure in with ``monkeypatch.setattr("labsupport.engine.engine.device_memory", ...)``."""
+    The engine reads device memory only here (``engine.build.blocks_in_budget``), so a test can put a
+    fake figure in with ``monkeypatch.setattr("labsupport.engine.build.device_memory", ...)``."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)

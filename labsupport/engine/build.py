@@ -1,0 +1,96 @@
+"""How an engine's parts are built from its configuration: the KV manager and attention backend
+that go together, the default pool's size, the draft model and speculator of chapter 09.
+
+Kept apart from ``engine.py`` so the engine file reads as the loop it runs; everything here runs
+once, in ``LLMEngine.__init__``.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from ..models.loader import device_memory, load_model
+from .attention import ContiguousAttention, RecomputeAttention
+from .config import CPU_KV_CACHE_BYTES, EngineConfig, gpu_kv_cache_bytes
+from .kv_cache_manager import ContiguousKVManager, KVCacheManager, KVManager
+from .paged_attention import PagedAttention
+from .prefix_cache import CPUTier
+from .spec_decode import DraftModelProposer, Speculator
+
+
+def kv_and_backend(c: EngineConfig, model, device, draft_model=None):
+    """The KV manager (who owns which memory) and the attention backend (how it is read) of ``kv_cache``:
+    "none" recomputes, "contiguous" reserves a whole sequence, "paged" hands out blocks."""
+    cfg, dtype = model.config, next(model.parameters()).dtype
+    if c.kv_cache == "none":
+        return KVManager(), RecomputeAttention()
+    if c.kv_cache == "contiguous":
+        kv = ContiguousKVManager(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, device,
+                                 c.max_model_len, budget_bytes=c.kv_cache_memory_bytes)
+        return kv, ContiguousAttention(kv)
+    num_blocks = c.num_blocks or blocks_in_budget(c, [model] + ([draft_model] if draft_model else []), device, dtype)
+    backend = PagedAttention(cfg.num_layers, num_blocks, c.block_size, cfg.num_kv_heads, cfg.head_dim,
+                             dtype, device, scratch_block=uses_cuda_graphs(c, device))
+    cpu_tier = (CPUTier(c.cpu_offload_blocks, backend.k_pool, backend.v_pool, c.block_size)
+                if c.cpu_offload_blocks else None)
+    kv = KVCacheManager(num_blocks, c.block_size, enable_prefix_caching=c.enable_prefix_caching, cpu_tier=cpu_tier)
+    kv.copy_block = backend.copy_block  # copy-on-write (parallel samples, chapter 04)
+    return kv, backend
+
+
+def blocks_in_budget(c: EngineConfig, models: list, device, dtype) -> int:
+    """Blocks of the default pool: as many as ``kv_cache_memory_bytes`` holds; without it, on a GPU,
+    what ``gpu_memory_utilization`` leaves (``gpu_kv_cache_bytes``), on the CPU ``CPU_KV_CACHE_BYTES``.
+    A draft model's pool has as many blocks (the same ids), so a block costs every model's bytes."""
+    per_block = sum(2 * m.config.num_layers * m.config.num_kv_heads * m.config.head_dim for m in models) \
+        * dtype.itemsize * c.block_size
+    budget = c.kv_cache_memory_bytes
+    if budget is None and torch.device(device).type == "cuda":
+        weights = sum(t.numel() * t.element_size() for m in models for t in [*m.parameters(), *m.buffers()])
+        budget = gpu_kv_cache_bytes(c, models[0].config, weights, per_block, *device_memory(device))
+    elif budget is None:
+        budget = CPU_KV_CACHE_BYTES
+    if budget < per_block:
+        raise ValueError(f"kv_cache_memory_bytes={budget} holds no block of {per_block} bytes")
+    return budget // per_block
+
+
+def uses_cuda_graphs(c: EngineConfig, device) -> bool:
+    """Decode steps replay CUDA graphs on a GPU with the Triton kernel, unless ``enforce_eager``."""
+    if torch.device(device).type != "cuda" or c.enforce_eager or c.kv_cache != "paged":
+        return False
+    from . import triton_attention
+    return triton_attention.available(device)
+
+
+def load_draft(c: EngineConfig, model, device):
+    """The draft model of ``speculative_config`` (None for prompt lookup or no speculation)."""
+    spec = c.speculative_config
+    if not spec or spec["method"] != "draft_model":
+        return None
+    draft, _, _ = load_model(spec["model"], device, next(model.parameters()).dtype)
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) differs from the "
+                         f"target's ({model.config.vocab_size}): choose a draft of the same tokenizer")
+    return draft
+
+
+def speculator(c: EngineConfig, kv, backend, sampler, model, draft_model, device) -> Speculator:
+    """Prompt lookup needs nothing more; a draft model gets its own KV pool with the target's block ids."""
+    if draft_model is None:
+        return Speculator(c.speculative_config, kv)
+    cfg, dtype = draft_model.config, next(model.parameters()).dtype
+    pool = PagedAttention(cfg.num_layers, backend.num_blocks, c.block_size, cfg.num_kv_heads, cfg.head_dim,
+                          dtype, device)
+    return Speculator(c.speculative_config, kv, DraftModelProposer(draft_model, pool, sampler))
+
+
+def eos_token_ids(tokenizer, model_path) -> set[int]:
+    """The tokenizer's EOS and those of the checkpoint's ``generation_config.json`` (often several)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen = model_path / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids
