@@ -7,6 +7,7 @@ import ast
 import importlib.util
 import math
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -255,6 +256,19 @@ def test_every_metric_is_exposed_with_its_labels_from_the_start():
     for reason in ("stop", "length", "abort", "error"):
         assert f'labsupport:request_success_total{{engine="0",finished_reason="{reason}",model_name="my-model"}} 0.0' \
             in body
+
+
+def test_a_fresh_server_reports_its_whole_pool_free_before_any_request(llm):
+    """The gauges are set when the engine loop starts, not at the first step: an idle pool is all free, not 0."""
+    from labsupport.serve.api import create_app
+    from labsupport.serve.background import BackgroundServer
+    from server_tools import server_metrics
+    with BackgroundServer(create_app(llm, "smol")) as srv:
+        deadline = time.time() + 10
+        while (m := server_metrics(srv))["labsupport:kv_cache_free_blocks"] == 0 and time.time() < deadline:
+            time.sleep(0.05)
+        assert m["labsupport:kv_cache_free_blocks"] == llm.stats()["kv_blocks_total"] > 0
+        assert m["labsupport:kv_cache_usage_perc"] == 0
 
 
 def test_servers_in_one_process_have_their_own_registries():

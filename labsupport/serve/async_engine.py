@@ -205,6 +205,7 @@ class AsyncEngine:
     # ------------------------------------------------------------------ the loop thread's side
 
     def _run(self):
+        self._hook("on_step", self.engine, [], None)  # the gauges from the start: an idle pool is all free, not 0
         try:
             while True:
                 self._wake.clear()  # cleared before draining: a request added after the drain wakes us
