@@ -234,9 +234,10 @@ needs_onednn = pytest.mark.skipif(llama._onednn_linear is None, reason="oneDNN p
 @needs_onednn
 def test_engines_of_one_model_share_its_packed_cpu_weights(tiny_folder):
     a, b = LLM(model=str(tiny_folder), device="cpu", num_blocks=4), LLM(model=str(tiny_folder), device="cpu", num_blocks=4)
-    pa, pb = a.engine.model.model.layers[0].mlp.up_proj.packed, b.engine.model.model.layers[0].mlp.up_proj.packed
+    pa, pb = a.engine.model.model.layers[0].mlp.gate_up_packed, b.engine.model.model.layers[0].mlp.gate_up_packed
     assert pa is not None and pa[0] is pb[0]  # one packed copy per process, not one per engine
-    assert set(a.engine.model.shared_weights.packed) >= {"lm_head", "model.layers.1.self_attn.k_proj"}
+    assert set(a.engine.model.shared_weights.packed) >= {"lm_head", "model.layers.1.self_attn.qkv",
+                                                         "model.layers.1.self_attn.o_proj", "model.layers.1.mlp.gate_up"}
 
 
 @needs_onednn
@@ -253,3 +254,25 @@ def test_a_packed_linear_equals_the_plain_one_and_notices_a_rewritten_weight():
     torch.testing.assert_close(m(x), torch.nn.functional.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
     m.weight = torch.nn.Parameter(torch.randn(80, 48))  # replaced
     torch.testing.assert_close(m(x), torch.nn.functional.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_stacked_projections_equal_the_separate_ones_and_notice_a_replaced_weight():
+    """q/k/v and gate/up are one (packed) product each; a module whose weight is replaced afterwards goes
+    back to its own product, so the stale stack is never read."""
+    model = loader.random_model(loader.RANDOM_MODELS["tiny"], "cpu", torch.float32)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attn.qkv is not None and mlp.gate_up is not None
+    x = torch.randn(7, attn.q_proj.in_features)
+
+    def separate_mlp(x):
+        return mlp.down_proj(torch.nn.functional.silu(x @ mlp.gate_proj.weight.T) * (x @ mlp.up_proj.weight.T))
+    torch.testing.assert_close(mlp(x), separate_mlp(x), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        mlp.up_proj.weight.mul_(2)  # written in place, through the view: the stack holds it too
+    torch.testing.assert_close(mlp(x), separate_mlp(x), rtol=1e-5, atol=1e-5)
+    mlp.gate_proj.weight = torch.nn.Parameter(torch.randn_like(mlp.gate_proj.weight))  # replaced: not in the stack
+    assert not llama.stacked_current((mlp.gate_up, None), mlp.gate_proj, mlp.up_proj)
+    torch.testing.assert_close(mlp(x), separate_mlp(x), rtol=1e-5, atol=1e-5)
+    assert llama.stacked_current(attn.qkv, attn.q_proj, attn.k_proj, attn.v_proj)
+    attn.k_proj.weight = torch.nn.Parameter(attn.k_proj.weight.detach().clone())
+    assert not llama.stacked_current(attn.qkv, attn.q_proj, attn.k_proj, attn.v_proj)

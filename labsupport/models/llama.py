@@ -147,22 +147,27 @@ def _gpu_kernels():
     return fused_kernels if fused_kernels.triton is not None else None
 
 
+def product(x: torch.Tensor, weight: torch.Tensor, bias, packed=None) -> torch.Tensor:
+    """``x @ weight.T + bias``, with the faster paths for fp32 on an x86 CPU: oneDNN on the copy of the
+    weight packed in its own layout (``pack_cpu_weights``) while it is still the weight's, else oneDNN
+    on the plain weight for decode-sized batches. GPUs and other dtypes take the ordinary ``F.linear``."""
+    if packed is not None and x.device.type == "cpu" and x.dtype == torch.float32:
+        copy, ptr, version = packed
+        if weight.data_ptr() == ptr and weight._version == version:  # not rewritten since it was packed
+            return _onednn_linear(x, copy, bias, "none", [], "")
+    if (_onednn_linear is not None and x.device.type == "cpu" and x.dtype == torch.float32
+            and x.dim() == 2 and x.shape[0] <= SMALL_M):
+        return _onednn_linear(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` (same weights, same names) with faster paths for fp32 on an x86 CPU: oneDNN on
-    a copy of the weight packed in its own layout (``pack_cpu_weights``), else oneDNN on the plain
-    weight for decode-sized batches. GPUs and other dtypes take the ordinary ``F.linear``."""
+    """``nn.Linear`` (same weights, same names) whose product is ``product``: packed on an x86 CPU."""
 
     packed = None  # (oneDNN-packed weight, data_ptr and version of the weight it was packed from)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.device.type == "cpu" and x.dtype == torch.float32:
-            packed, ptr, version = self.packed
-            if self.weight.data_ptr() == ptr and self.weight._version == version:  # not rewritten since
-                return _onednn_linear(x, packed, self.bias, "none", [], "")
-        if (_onednn_linear is not None and x.device.type == "cpu" and x.dtype == torch.float32
-                and x.dim() == 2 and x.shape[0] <= SMALL_M):
-            return _onednn_linear(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return product(x, self.weight, self.bias, self.packed)
 
 
 class RMSNorm(nn.Module):
@@ -193,12 +198,13 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.qkv = None  # (weight, bias) of q, k, v stacked, if fuse_projections made them
+        self.qkv_packed = None  # its oneDNN-packed copy on an x86 CPU (pack_cpu_weights)
 
     def forward(self, x, cos, sin, backend, batch):
         t, d = x.shape[0], self.cfg.head_dim
-        if self.qkv is not None:  # one product reads all three matrices
-            q, k, v = F.linear(x, *self.qkv).split([self.q_proj.out_features, self.k_proj.out_features,
-                                                    self.v_proj.out_features], dim=-1)
+        if stacked_current(self.qkv, self.q_proj, self.k_proj, self.v_proj):  # one product reads all three
+            q, k, v = product(x, *self.qkv, self.qkv_packed).split(
+                [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, k, v = q.view(t, self.cfg.num_heads, d), k.view(t, self.cfg.num_kv_heads, d), v.view(t, self.cfg.num_kv_heads, d)
@@ -218,18 +224,19 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up = None  # gate and up stacked, if fuse_projections made it
+        self.gate_up_packed = None  # its oneDNN-packed copy on an x86 CPU (pack_cpu_weights)
 
     def forward(self, x):
-        if self.gate_up is not None:
+        if self.gate_up is not None and stacked_current((self.gate_up, None), self.gate_proj, self.up_proj):
             if x.is_cuda and _gpu_kernels() is not None:
                 return self.down_proj(_gpu_kernels().triton_silu_mul(F.linear(x, self.gate_up)))
-            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+            gate, up = product(x, self.gate_up, None, self.gate_up_packed).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def pack_cpu_weights(model: nn.Module, cache: dict):
-    """Give every fp32 ``Linear`` on the CPU a copy of its weight in oneDNN's blocked layout.
+    """Give every fp32 product on the CPU a copy of its weight in oneDNN's blocked layout.
 
     A plain [out, in] matrix makes oneDNN re-lay the weight as it goes; packed once, a product
     streams it in the order its kernel reads. Measured on a 2-core EPYC (AVX2), both threads, against
@@ -237,16 +244,33 @@ def pack_cpu_weights(model: nn.Module, cache: dict):
     10-30 % at 32 rows, and no slower at prefill sizes (2048 rows), so every product uses it. The
     copy costs the matrices' size again (about 0.6 GB for SmolLM2-135M), once per process: ``cache``
     is kept by the shared weights (``loader.shared_weights``), so every engine of the model uses the
-    same packed copies. A weight written or replaced afterwards is noticed (its version or address
-    changes) and its product goes back to the plain path."""
+    same packed copies. Matrices stacked by ``fuse_projections`` are packed as the stack. A weight
+    written or replaced afterwards is noticed (its version or address changes) and its product goes
+    back to the plain path."""
     if _onednn_linear is None:
         return
+
+    def packed(key, w):
+        if w.device.type != "cpu" or w.dtype != torch.float32:
+            return None
+        if key not in cache:
+            cache[key] = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 32)
+        return cache[key], w.data_ptr(), w._version
+
     for name, m in model.named_modules():
-        w = getattr(m, "weight", None)
-        if isinstance(m, Linear) and w is not None and w.device.type == "cpu" and w.dtype == torch.float32:
-            if name not in cache:
-                cache[name] = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 32)
-            m.packed = (cache[name], w.data_ptr(), w._version)
+        if isinstance(m, Linear) and getattr(m.weight, "_stacked", None) is None:  # a stacked one: read as the stack
+            m.packed = packed(name, m.weight)
+        elif isinstance(m, Attention) and m.qkv is not None:
+            m.qkv_packed = packed(name + ".qkv", m.qkv[0])
+        elif isinstance(m, MLP) and m.gate_up is not None:
+            m.gate_up_packed = packed(name + ".gate_up", m.gate_up)
+
+
+def stacked_current(stacked, *linears) -> bool:
+    """Whether ``stacked`` (``fuse_projections``' (weight, bias)) still holds these modules' weights. A weight
+    replaced since (a new Parameter) sends the modules back to their own products."""
+    return stacked is not None and all(
+        getattr(getattr(m, "weight", None), "_stacked", (None,))[0] is stacked[0] for m in linears)
 
 
 def fuse_projections(model: nn.Module):
@@ -254,10 +278,11 @@ def fuse_projections(model: nn.Module):
 
     A decode step's products are thin (a few rows against a wide matrix): each is bound by reading
     its weights, and small ones (k and v of a GQA model) read them far below the memory bandwidth.
-    One stacked product reads them at full speed: on an H200, 6 % off an 8B decode step. The
-    separate parameters become *views* of the stacked matrix, so the memory is not doubled and the
-    weight names stay Hugging Face's. Used on GPUs; the CPU keeps its measured per-matrix path.
-    Weights shared between engines (``loader.shared_weights``) stack once, in the shared copy."""
+    One stacked product reads them at full speed: on an H200, 6 % off an 8B decode step; on a 2-core
+    EPYC, packed (``pack_cpu_weights``), 5-15 % off a layer's products at 1-32 rows. The separate
+    parameters become *views* of the stacked matrix, so the memory is not doubled and the weight names
+    stay Hugging Face's. Weights shared between engines (``loader.shared_weights``) stack once, in the
+    shared copy."""
     for attn, mlp in ((layer.self_attn, layer.mlp) for layer in model.model.layers):
         attn.qkv = _stack(attn.q_proj, attn.k_proj, attn.v_proj)
         mlp.gate_up = _stack(mlp.gate_proj, mlp.up_proj)[0]

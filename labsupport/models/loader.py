@@ -199,10 +199,10 @@ def load_model(model=None, device="auto", dtype="auto"):
     if cfg.tie_word_embeddings:
         net.lm_head.weight = net.model.embed_tokens.weight
     net.inv_freq = rope_frequencies(cfg)[0].to(device)  # buffers made on "meta" hold no data
-    if device.type == "cuda":  # stacked q/k/v and gate/up; the shared copy keeps the views, so it stacks once
-        fuse_projections(net)
-        state.update((k, v) for k, v in net.state_dict(keep_vars=True).items() if k in state)
-    else:  # oneDNN-packed copies, made once and kept with the shared weights
+    # stacked q/k/v and gate/up; the shared copy keeps the views, so it stacks once
+    fuse_projections(net)
+    state.update((k, v) for k, v in net.state_dict(keep_vars=True).items() if k in state)
+    if device.type == "cpu":  # oneDNN-packed copies, made once and kept with the shared weights
         pack_cpu_weights(net, state.packed)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return net.eval(), tokenizer, folder
@@ -255,9 +255,8 @@ def random_model(cfg: ModelConfig, device, dtype, seed: int = 0) -> LlamaForCaus
             else:
                 p.normal_(0.0, 0.02, generator=gen)
     net.inv_freq = rope_frequencies(cfg)[0].to(device)
-    if torch.device(device).type == "cuda":
-        fuse_projections(net)
-    else:
+    fuse_projections(net)
+    if torch.device(device).type == "cpu":
         pack_cpu_weights(net, {})
     return net.eval()
 

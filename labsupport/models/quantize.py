@@ -235,7 +235,7 @@ def quantize_model(model: nn.Module, method: str = "int8", group_size: int = 32,
     Measured, int4 with a float ``lm_head`` is barely faster than float32; quantized, about twice as
     fast, for a few task points. Tied to ``embed_tokens``, the quantized copy is new memory (the lookup
     keeps the float table), so the model holds more bytes but *reads* fewer per step.
-    Projections stacked by ``fuse_projections`` (CUDA) are unstacked (``qkv``/``gate_up`` set to None):
+    Projections stacked by ``fuse_projections`` are unstacked (``qkv``/``gate_up`` set to None):
     the quantized per-matrix modules then run. The model stops holding the checkpoint's shared float
     copy (``model.shared_weights``), so its float matrices are freed once no other engine uses them.
     Call this before the engine captures CUDA graphs (they would replay the float products)."""
@@ -250,6 +250,7 @@ def quantize_model(model: nn.Module, method: str = "int8", group_size: int = 32,
                                  f"{name}; choose a divisor such as 32")
     for layer in getattr(getattr(model, "model", None), "layers", []):
         layer.self_attn.qkv, layer.mlp.gate_up = None, None
+        layer.self_attn.qkv_packed, layer.mlp.gate_up_packed = None, None
     if getattr(model, "shared_weights", None) is not None:
         model.shared_weights = None  # let the float matrices go once no other engine of this model holds them
     bytes_before = bytes_after = 0
