@@ -227,7 +227,7 @@ class MLP(nn.Module):
         self.gate_up_packed = None  # its oneDNN-packed copy on an x86 CPU (pack_cpu_weights)
 
     def forward(self, x):
-        if self.gate_up is not None and stacked_current((self.gate_up, None), self.gate_proj, self.up_proj):
+        if stacked_current((self.gate_up, None), self.gate_proj, self.up_proj):
             if x.is_cuda and _gpu_kernels() is not None:
                 return self.down_proj(_gpu_kernels().triton_silu_mul(F.linear(x, self.gate_up)))
             gate, up = product(x, self.gate_up, None, self.gate_up_packed).chunk(2, dim=-1)
@@ -269,7 +269,7 @@ def pack_cpu_weights(model: nn.Module, cache: dict):
 def stacked_current(stacked, *linears) -> bool:
     """Whether ``stacked`` (``fuse_projections``' (weight, bias)) still holds these modules' weights. A weight
     replaced since (a new Parameter) sends the modules back to their own products."""
-    return stacked is not None and all(
+    return stacked is not None and stacked[0] is not None and all(
         getattr(getattr(m, "weight", None), "_stacked", (None,))[0] is stacked[0] for m in linears)
 
 
