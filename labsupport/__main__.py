@@ -12,7 +12,7 @@ import sys
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["router"]:  # chapter 07: needs no model, has its own flags
-        from .pd.router import main as router_main
+        from .pd.router_app import main as router_main
         return router_main(argv[1:])
     from .bench.cli import SUBCOMMANDS
     if argv[:1] == ["bench"] and argv[1:2] and argv[1] in SUBCOMMANDS:

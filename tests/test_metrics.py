@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from labsupport import LLM, SamplingParams
-from labsupport.serve.metrics import (GAUGES, HISTOGRAMS, NOT_IMPLEMENTED, OWN, PREFIX, ServerMetrics,
-                                      parse_metrics, request_tokens_buckets)
+from labsupport.serve.metrics import ServerMetrics, parse_metrics
+from labsupport.serve.metrics_catalog import GAUGES, HISTOGRAMS, NOT_IMPLEMENTED, OWN, PREFIX, request_tokens_buckets
 
 from conftest import PROMPTS
 

@@ -11,7 +11,7 @@ import pytest
 from server_tools import assert_openai_error
 
 from labsupport.pd.cluster import Worker, start_all, stop_all
-from labsupport.pd.router import create_router_app
+from labsupport.pd.router_app import create_router_app
 from labsupport.serve.api import create_app
 from labsupport.serve.background import BackgroundServer
 from labsupport.serve.metrics import parse_metrics

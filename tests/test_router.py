@@ -18,7 +18,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from server_tools import QUESTION, assert_openai_error, server_metrics
 
-from labsupport.pd.router import PREFILL_KV_PARAMS, create_router_app
+from labsupport.pd.router import PREFILL_KV_PARAMS
+from labsupport.pd.router_app import create_router_app
 from labsupport.pd.routing import LeastLoaded, PrefixAware, RoundRobin, prefix_key
 from labsupport.serve.api import create_app
 from labsupport.serve.background import BackgroundServer, free_port

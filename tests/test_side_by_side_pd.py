@@ -11,7 +11,7 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 
-from labsupport.pd.router import create_router_app
+from labsupport.pd.router_app import create_router_app
 from labsupport.serve.background import BackgroundServer
 from labsupport.side_by_side import disagg
 from labsupport.side_by_side.disagg import (BLOCK_SIZE, VllmPD, check_recipe, external_hit_tokens, log_external_hits,
