@@ -36,6 +36,8 @@ def add_arguments(p):
     p.add_argument("--vllm-python", default=None, help="Python of the vLLM venv (default: .venv-vllm/bin/python)")
     p.add_argument("--vllm-timeout", type=float, default=1800, help="seconds before the vLLM run is abandoned")
     p.add_argument("--no-roofline", action="store_true", help="skip the roofline measurement (~10 s)")
+    p.add_argument("--cpu-decode-kernel", action="store_true",
+                   help="our engine reads decode K/V in place with the compiled C++ kernel (engine/cpu_attention.py)")
 
 
 def _split(value: str, allowed, what: str) -> list[str]:
@@ -89,7 +91,9 @@ def run(args, argv=None) -> dict:
     for engine in engines:
         started = time.perf_counter()
         if engine == "labsupport":
-            report["results"][engine] = engine_runner.run(folder, workloads, warmup, log=log)
+            options = {"cpu_decode_kernel": True} if args.cpu_decode_kernel else {}
+            report["machine"]["labsupport_options"] = options
+            report["results"][engine] = engine_runner.run(folder, workloads, warmup, log=log, **options)
         elif engine == "transformers":
             report["results"][engine] = hf_baseline.run(folder, workloads, warmup, check, check_len, log=log)
         else:

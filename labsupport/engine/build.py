@@ -31,7 +31,7 @@ def kv_and_backend(c: EngineConfig, model, device, draft_model=None):
         return kv, ContiguousAttention(kv)
     num_blocks = c.num_blocks or blocks_in_budget(c, [model] + ([draft_model] if draft_model else []), device, dtype)
     backend = PagedAttention(cfg.num_layers, num_blocks, c.block_size, cfg.num_kv_heads, cfg.head_dim,
-                             dtype, device, scratch_block=uses_cuda_graphs(c, device))
+                             dtype, device, scratch_block=uses_cuda_graphs(c, device), cpu_kernel=c.cpu_decode_kernel)
     cpu_tier = (CPUTier(c.cpu_offload_blocks, backend.k_pool, backend.v_pool, c.block_size)
                 if c.cpu_offload_blocks else None)
     kv = KVCacheManager(num_blocks, c.block_size, enable_prefix_caching=c.enable_prefix_caching, cpu_tier=cpu_tier)
@@ -82,7 +82,7 @@ def speculator(c: EngineConfig, kv, backend, sampler, model, draft_model, device
         return Speculator(c.speculative_config, kv)
     cfg, dtype = draft_model.config, next(model.parameters()).dtype
     pool = PagedAttention(cfg.num_layers, backend.num_blocks, c.block_size, cfg.num_kv_heads, cfg.head_dim,
-                          dtype, device)
+                          dtype, device, cpu_kernel=c.cpu_decode_kernel)
     return Speculator(c.speculative_config, kv, DraftModelProposer(draft_model, pool, sampler))
 
 

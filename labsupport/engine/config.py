@@ -53,6 +53,7 @@ class EngineConfig:
     kv_transfer_config: dict | None = None  # chapter 07: a KV connector, as vLLM's --kv-transfer-config
     speculative_config: dict | None = None  # chapter 09: {"method": "ngram"|"draft_model", ...}, as vLLM's
     quantization: str | None = None  # chapter 09: weight-only "int8" (per channel) or "int4" (groups of 32)
+    cpu_decode_kernel: bool = False  # CPU, paged: decode attention in a compiled C++ kernel (engine/cpu_attention.py)
 
     def __post_init__(self):
         if self.kv_cache not in ("paged", "contiguous", "none"):
@@ -71,7 +72,7 @@ class EngineConfig:
         if not isinstance(util, (int, float)) or isinstance(util, bool) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1] of the GPU's total memory, "
                              f"got {util!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "cpu_decode_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if (self.enable_prefix_caching or self.cpu_offload_blocks) and self.kv_cache != "paged":

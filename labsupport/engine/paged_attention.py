@@ -13,8 +13,9 @@ Reading takes two paths, because a step mixes two very different kinds of rows:
   or a prompt with a cached prefix gathers its context first.
 
 So a decode row never pads to the longest prompt of the step. The gather is the price of staying
-in plain PyTorch: a GPU kernel reads the blocks in place (``triton_attention.py``), and the
-block-size trade-off in chapter 02 measures the difference.
+in plain PyTorch: a GPU kernel reads the blocks in place (``triton_attention.py``), as does a
+small C++ kernel on the CPU if asked for (``cpu_attention.py``), and the block-size trade-off in
+chapter 02 measures the difference.
 
 Pool layout, per layer: ``[num_kv_heads, num_blocks * block_size, head_dim]``, slot ``s`` =
 ``block * block_size + offset``. Heads first, so gathering blocks gives each head's keys
@@ -89,7 +90,7 @@ VERIFY_ROWS = 17  # 1 + the most guesses a step verifies (num_speculative_tokens
 
 class PagedAttention(AttentionBackend):
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype, device, scratch_block: bool = False):
+                 dtype, device, scratch_block: bool = False, cpu_kernel: bool = False):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device = device
         self.slot_mapping = slot_mapping  # chapter 02's exercise plugs the attendee's own in here
@@ -98,6 +99,14 @@ class PagedAttention(AttentionBackend):
             from . import triton_attention  # imports triton only here, and only if it is installed
             if triton_attention.available(device):
                 self.decode_attention = triton_attention.triton_decode_attention
+        elif cpu_kernel:  # the CPU's in-place read, a compiled C++ kernel (opt-in: it needs a compiler)
+            from . import cpu_attention
+            built, why_not = cpu_attention.available()
+            if built:
+                self.decode_attention = cpu_attention.cpu_decode_attention
+            else:
+                import warnings
+                warnings.warn(why_not + "; decode attention keeps the PyTorch gather", stacklevel=2)
         # one block past the allocator's: CUDA graphs' padding rows write there (cuda_graphs.py)
         self.scratch_slot = num_blocks * block_size if scratch_block else None
         self.connector = None  # chapter 07: a KV connector's per-layer hooks run around each layer's attention

@@ -57,6 +57,8 @@ def add_serve_arguments(srv):
                           "{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 3}")
     srv.add_argument("--quantization", default=None, choices=["int8", "int4"],
                      help="weight-only quantization of our model (chapter 09)")
+    srv.add_argument("--cpu-decode-kernel", action="store_true",
+                     help="CPU: decode attention reads K/V in place in a compiled C++ kernel (needs a compiler)")
     srv.add_argument("--max-waiting-requests", type=int, default=1024,
                      help="requests waiting for a slot beyond this get 429 (0: no waiting at all)")
     srv.add_argument("--max-request-body-bytes", type=int, default=4 << 20, help="larger bodies get 413")
@@ -149,7 +151,7 @@ def engine_options(args) -> dict:
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
                 scheduling_policy=args.scheduling_policy, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 speculative_config=json_flag(args.speculative_config, "--speculative-config"),
-                quantization=args.quantization)
+                quantization=args.quantization, cpu_decode_kernel=args.cpu_decode_kernel)
 
 
 def run_server(llm, args) -> int:

@@ -1,0 +1,108 @@
+"""Decode attention on the CPU that reads K/V in place through the block table: a small C++ kernel.
+
+``paged_attention.paged_decode_attention`` stays in plain PyTorch, so it must *gather* each
+sequence's blocks into a padded batch before its two matmuls: at batch 32 the gather writes and
+re-reads as many bytes as the attention itself reads (about 350 MB per step, the weights are 540 MB).
+vLLM's CPU backend and the GPU's Triton kernel (``triton_attention.py``) read the blocks where they
+lie instead. This is the same idea for the CPU, written as plainly as the loop it replaces: for
+each (sequence, KV head), scores of the head group's queries against every key of the context,
+a softmax, then the weighted sum of the values, with the slot of token ``t`` found as
+``block_table[t / block_size] * block_size + t % block_size``. Each (sequence, KV head) is one task
+of PyTorch's own thread pool (``at::parallel_for``), so ``torch.set_num_threads`` applies.
+
+Measured on the 2-core course machine (batch 32, ~240-token contexts, SmolLM2's 9 query and 3 KV
+heads, one layer): 0.85 ms against 8.2 ms for the gather and two matmuls, the same output to 4e-7.
+
+It is compiled once per machine with ``torch.utils.cpp_extension`` (a C++ compiler and about 40 s;
+the build is cached under ``~/.cache/torch_extensions``). Opt-in for now, ``EngineConfig.cpu_decode_kernel``:
+where no compiler is found, ``available()`` says why and the engine keeps the PyTorch gather.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
+
+// q [B, H, D]; k_pool, v_pool [Hkv, slots, D]; block_tables [B, W]; context_lens [B]  ->  [B, H, D]
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                           torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, double scale) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t Hkv = k_pool.size(0), slots = k_pool.size(1), W = block_tables.size(1), G = H / Hkv;
+  auto out = torch::empty_like(q);
+  const float *qp = q.data_ptr<float>(), *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>();
+  const int64_t *tables = block_tables.data_ptr<int64_t>(), *lens = context_lens.data_ptr<int64_t>();
+  float *op = out.data_ptr<float>();
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(G * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, h = task % Hkv, L = lens[b];
+      const float *keys = kp + h * slots * D, *values = vp + h * slots * D;
+      const float *queries = qp + (b * H + h * G) * D;          // the G query heads of KV head h
+      scores.assign(G * L, 0.f);
+      for (int64_t t = 0; t < L; ++t) {                          // q . k for every key of the context
+        const float *k = keys + (tables[b * W + t / block_size] * block_size + t % block_size) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float *qg = queries + g * D;
+          float dot = 0.f;
+          #pragma omp simd reduction(+:dot)
+          for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
+          scores[g * L + t] = dot * (float)scale;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {                          // softmax over the context
+        float *s = scores.data() + g * L, top = -INFINITY, sum = 0.f;
+        for (int64_t t = 0; t < L; ++t) top = std::max(top, s[t]);
+        for (int64_t t = 0; t < L; ++t) { s[t] = std::exp(s[t] - top); sum += s[t]; }
+        for (int64_t t = 0; t < L; ++t) s[t] /= sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < L; ++t) {                          // the values, weighted
+        const float *v = values + (tables[b * W + t / block_size] * block_size + t % block_size) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * L + t];
+          float *a = acc.data() + g * D;
+          #pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+        }
+      }
+      std::copy(acc.begin(), acc.end(), op + (b * H + h * G) * D);
+    }
+  });
+  return out;
+}
+"""
+
+_lock = threading.Lock()
+_module = None
+_why_not: str | None = None
+
+
+def available() -> tuple[bool, str]:
+    """Compile (or load the cached build of) the kernel once per process: (True, "") or (False, why not)."""
+    global _module, _why_not
+    with _lock:
+        if _module is None and _why_not is None:
+            try:
+                from torch.utils.cpp_extension import load_inline
+                _module = load_inline("labsupport_cpu_paged_decode", cpp_sources=[SOURCE], functions=["paged_decode"],
+                                      extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+            except Exception as exc:  # no compiler, no headers, an unsupported platform: keep the PyTorch path
+                _why_not = f"the CPU decode kernel could not be built ({type(exc).__name__}: {str(exc)[:300]})"
+        return _module is not None, _why_not or ""
+
+
+def cpu_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows, block_size: int):
+    """``paged_attention.paged_decode_attention``'s contract (q: [B, H, D] -> [B, H, D]), read in place.
+    Float32 only (the kernel's one type); any other dtype takes the PyTorch gather."""
+    if q.dtype != torch.float32 or k_pool.dtype != torch.float32:
+        from .paged_attention import paged_decode_attention
+        return paged_decode_attention(q, k_pool, v_pool, rows, block_size)
+    scale = 1.0 / q.shape[-1] ** 0.5
+    return _module.paged_decode(q.contiguous(), k_pool, v_pool, rows.block_tables, rows.context_lens,
+                                block_size, scale)

@@ -1,0 +1,73 @@
+"""The CPU's compiled decode-attention kernel (``engine/cpu_attention.py``) against the PyTorch gather.
+
+It needs a C++ compiler; where none is found the kernel is unavailable and these tests skip,
+saying why (the engine then keeps the PyTorch path, which every other test covers). Tolerance:
+fp32 in both, only the summation order differs.
+"""
+import pytest
+import torch
+
+from labsupport import LLM, SamplingParams
+from labsupport.bench.gpu_check import random_decode_case as random_case
+from labsupport.engine import cpu_attention
+from labsupport.engine.paged_attention import paged_decode_attention
+
+from conftest import PROMPTS
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    built, why_not = cpu_attention.available()
+    if not built:
+        pytest.skip(why_not)
+    return cpu_attention.cpu_decode_attention
+
+
+SHAPES = [  # heads, kv_heads, head_dim, block_size
+    (9, 3, 64, 16),    # SmolLM2-135M: 3 query heads per KV head
+    (32, 8, 128, 16),  # Llama-3.1-8B's grouping and head width
+    (4, 4, 32, 4),     # no grouping, small blocks
+    (4, 2, 32, 32),
+]
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", SHAPES)
+def test_kernel_equals_the_pytorch_gather(kernel, heads, kv_heads, head_dim, block_size):
+    """Shuffled block tables padded with block 0 (random values there: an unmasked slot would show), contexts of
+    one token, one short of a block, exactly a block, one over, several blocks."""
+    lens = [1, max(block_size - 1, 1), block_size, block_size + 1, 3 * block_size + 5, 70]
+    q, k, v, rows = random_case(lens, heads, kv_heads, head_dim, block_size, torch.float32)
+    got = kernel(q, k, v, rows, block_size)
+    want = paged_decode_attention(q, k, v, rows, block_size)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_non_contiguous_queries_and_other_dtypes(kernel):
+    q, k, v, rows = random_case([5, 40], 9, 3, 64, 16, torch.float32, seed=3)
+    strided = torch.cat([q, q], dim=-1)[..., :64]  # a view with a row stride twice its width, as a split leaves it
+    torch.testing.assert_close(kernel(strided, k, v, rows, 16), paged_decode_attention(q, k, v, rows, 16),
+                               atol=1e-5, rtol=1e-5)
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()  # not the kernel's type: the PyTorch path answers
+    assert torch.equal(kernel(qb, kb, vb, rows, 16), paged_decode_attention(qb, kb, vb, rows, 16))
+
+
+def test_engine_with_the_kernel_gives_the_same_tokens_and_frees_every_block(kernel, llm):
+    """Whole engines: decode-only steps, decode rows beside a prefill chunk (chunked prefill), prefix hits."""
+    prompts = [PROMPTS[0], " ".join(PROMPTS[1:5]), " ".join(PROMPTS) * 3]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    fast = LLM(model=llm.engine.model_path, device="cpu", num_blocks=64, cpu_decode_kernel=True,
+               enable_chunked_prefill=True, max_num_batched_tokens=32, enable_prefix_caching=True)
+    try:
+        assert fast.engine.backend.decode_attention is kernel
+        for _ in range(2):  # the second time the prompts hit the prefix cache
+            assert [o.token_ids for o in fast.generate(prompts, params, use_tqdm=False)] == want
+        assert fast.engine.kv.allocator.num_free == fast.engine.kv.num_blocks  # cached blocks count as free
+    finally:
+        fast.shutdown()
+
+
+def test_the_option_is_validated():
+    with pytest.raises(ValueError, match="cpu_decode_kernel"):
+        LLM(model=None, device="cpu", cpu_decode_kernel="yes")
