@@ -12,7 +12,7 @@ of PyTorch's own thread pool (``at::parallel_for``), so ``torch.set_num_threads`
 
 Measured on the 2-core course machine (batch 32, ~240-token contexts, SmolLM2's 9 query and 3 KV
 heads, 30 layers' pools cold): 1.38 ms per layer against 2.98 ms for the gather and two matmuls, the
-same output to 3e-7; a whole decode step 1.35x faster (README, "Performance").
+same output to 3e-7; a batch-32 decode step 1.35x faster (README, "Performance").
 
 It is compiled once per machine with ``torch.utils.cpp_extension`` (a C++ compiler and about 40 s;
 the build is cached under ``~/.cache/torch_extensions``, one per instruction set). Opt-in for now,
