@@ -27,6 +27,8 @@ import threading
 
 import torch
 
+from .paged_attention import paged_decode_attention
+
 SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -131,7 +133,6 @@ def cpu_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     """``paged_attention.paged_decode_attention``'s contract (q: [B, H, D] -> [B, H, D]), read in place.
     Float32 only (the kernel's one type); any other dtype takes the PyTorch gather."""
     if q.dtype != torch.float32 or k_pool.dtype != torch.float32:
-        from .paged_attention import paged_decode_attention
         return paged_decode_attention(q, k_pool, v_pool, rows, block_size)
     scale = 1.0 / q.shape[-1] ** 0.5
     return _module.paged_decode(q.contiguous(), k_pool, v_pool, rows.block_tables, rows.context_lens,
