@@ -56,8 +56,13 @@ def test_engine_with_the_kernel_gives_the_same_tokens_and_frees_every_block(kern
     """Whole engines: decode-only steps, decode rows beside a prefill chunk (chunked prefill), prefix hits."""
     prompts = [PROMPTS[0], " ".join(PROMPTS[1:5]), " ".join(PROMPTS) * 3]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    want = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    fast = LLM(model=llm.engine.model_path, device="cpu", num_blocks=64, cpu_decode_kernel=True,
+    gather = LLM(model=llm.engine.model_path, device="cpu", num_blocks=64, cpu_decode_kernel=False)
+    try:
+        assert gather.engine.backend.decode_attention is paged_decode_attention
+        want = [o.token_ids for o in gather.generate(prompts, params, use_tqdm=False)]
+    finally:
+        gather.shutdown()
+    fast = LLM(model=llm.engine.model_path, device="cpu", num_blocks=64,  # the kernel is the CPU's default
                enable_chunked_prefill=True, max_num_batched_tokens=32, enable_prefix_caching=True)
     try:
         assert fast.engine.backend.decode_attention is kernel
@@ -71,3 +76,22 @@ def test_engine_with_the_kernel_gives_the_same_tokens_and_frees_every_block(kern
 def test_the_option_is_validated():
     with pytest.raises(ValueError, match="cpu_decode_kernel"):
         LLM(model=None, device="cpu", cpu_decode_kernel="yes")
+
+
+def test_an_engine_without_the_kernel_warns_once_and_keeps_the_gather(llm, monkeypatch):
+    """A laptop without a C++ compiler: every engine still serves, and says why only once per process."""
+    monkeypatch.setattr(cpu_attention, "_module", None)
+    monkeypatch.setattr(cpu_attention, "_why_not", "the CPU decode kernel could not be built (no compiler, simulated)")
+    monkeypatch.setattr(cpu_attention, "_warned", False)
+    engines = []
+    with pytest.warns(UserWarning, match="no compiler, simulated.*keeps the PyTorch gather") as caught:
+        for _ in range(2):
+            engines.append(LLM(model=llm.engine.model_path, device="cpu", num_blocks=16))
+    try:
+        assert len([w for w in caught if "simulated" in str(w.message)]) == 1
+        assert all(e.engine.backend.decode_attention is paged_decode_attention for e in engines)
+        out = engines[1].generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+        assert len(out[0].token_ids) == 4
+    finally:
+        for e in engines:
+            e.shutdown()

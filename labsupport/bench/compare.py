@@ -10,6 +10,7 @@ writes everything, with the machine and the versions, to ``--json`` (a bar chart
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -36,8 +37,9 @@ def add_arguments(p):
     p.add_argument("--vllm-python", default=None, help="Python of the vLLM venv (default: .venv-vllm/bin/python)")
     p.add_argument("--vllm-timeout", type=float, default=1800, help="seconds before the vLLM run is abandoned")
     p.add_argument("--no-roofline", action="store_true", help="skip the roofline measurement (~10 s)")
-    p.add_argument("--cpu-decode-kernel", action="store_true",
-                   help="our engine reads decode K/V in place with the compiled C++ kernel (engine/cpu_attention.py)")
+    p.add_argument("--cpu-decode-kernel", action=argparse.BooleanOptionalAction, default=True,
+                   help="our engine reads decode K/V in place with the compiled C++ kernel (engine/cpu_attention.py; "
+                        "the default); --no-cpu-decode-kernel measures the PyTorch gather")
 
 
 def _split(value: str, allowed, what: str) -> list[str]:
@@ -91,7 +93,7 @@ def run(args, argv=None) -> dict:
     for engine in engines:
         started = time.perf_counter()
         if engine == "labsupport":
-            options = {"cpu_decode_kernel": True} if args.cpu_decode_kernel else {}
+            options = {"cpu_decode_kernel": args.cpu_decode_kernel}
             report["machine"]["labsupport_options"] = options
             report["results"][engine] = engine_runner.run(folder, workloads, warmup, log=log, **options)
         elif engine == "transformers":

@@ -15,15 +15,16 @@ heads, 30 layers' pools cold): 1.38 ms per layer against 2.98 ms for the gather 
 same output to 3e-7; a batch-32 decode step 1.35x faster (README, "Performance").
 
 It is compiled once per machine with ``torch.utils.cpp_extension`` (a C++ compiler and about 40 s;
-the build is cached under ``~/.cache/torch_extensions``, one per instruction set). Opt-in for now,
-``EngineConfig.cpu_decode_kernel``: where it cannot be built, ``available()`` says why and the engine
-keeps the PyTorch gather.
+the build is cached under ``~/.cache/torch_extensions``, one per instruction set; ``python -m labsupport
+prepare`` builds it ahead). On by default on the CPU, ``EngineConfig.cpu_decode_kernel``: where it
+cannot be built, ``available()`` says why, the engine warns once and keeps the PyTorch gather.
 """
 from __future__ import annotations
 
 import os
 import shutil
 import threading
+import warnings
 
 import torch
 
@@ -98,6 +99,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
 _lock = threading.Lock()
 _module = None
 _why_not: str | None = None
+_warned = False
 
 
 def available() -> tuple[bool, str]:
@@ -116,6 +118,15 @@ def available() -> tuple[bool, str]:
             except Exception as exc:  # no compiler, no headers, an unsupported platform: keep the PyTorch path
                 _why_not = f"the CPU decode kernel could not be built ({type(exc).__name__}: {str(exc)[:300]})"
         return _module is not None, _why_not or ""
+
+
+def warn_once_not_built():
+    """Say once per process why the engine keeps the PyTorch gather (a laptop without a C++ compiler)."""
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(available()[1] + "; decode attention keeps the PyTorch gather "
+                      "(cpu_decode_kernel=False says so without this warning)", stacklevel=3)
 
 
 def _put_ninja_on_path():

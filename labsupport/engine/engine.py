@@ -17,7 +17,7 @@ import time
 import torch
 
 from ..models.loader import load_model, resolve_device
-from . import build
+from . import build, cpu_memory
 from .attention import ContiguousAttention
 from .block_pool import blocks_needed
 from .config import RUNTIME_OPTIONS, EngineConfig
@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":  # activations reuse their pages instead of faulting fresh ones in each step
+            cpu_memory.keep_freed_memory()
         self.model, self.tokenizer, self.model_path = load_model(config.model, self.device, config.dtype)
         self.quantization_report = None  # chapter 09: weights quantized before memory is sized and graphs captured
         if config.quantization is not None:

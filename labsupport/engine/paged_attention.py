@@ -99,14 +99,12 @@ class PagedAttention(AttentionBackend):
             from . import triton_attention  # imports triton only here, and only if it is installed
             if triton_attention.available(device):
                 self.decode_attention = triton_attention.triton_decode_attention
-        elif cpu_kernel:  # the CPU's in-place read, a compiled C++ kernel (opt-in: it needs a compiler)
+        elif cpu_kernel:  # the CPU's in-place read, a compiled C++ kernel (where a C++ compiler built it)
             from . import cpu_attention
-            built, why_not = cpu_attention.available()
-            if built:
+            if cpu_attention.available()[0]:
                 self.decode_attention = cpu_attention.cpu_decode_attention
             else:
-                import warnings
-                warnings.warn(why_not + "; decode attention keeps the PyTorch gather", stacklevel=2)
+                cpu_attention.warn_once_not_built()
         # one block past the allocator's: CUDA graphs' padding rows write there (cuda_graphs.py)
         self.scratch_slot = num_blocks * block_size if scratch_block else None
         self.connector = None  # chapter 07: a KV connector's per-layer hooks run around each layer's attention

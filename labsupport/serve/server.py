@@ -9,6 +9,7 @@ so that re-raise ends nothing.
 """
 from __future__ import annotations
 
+import argparse
 import signal
 
 import uvicorn
@@ -57,8 +58,9 @@ def add_serve_arguments(srv):
                           "{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 3}")
     srv.add_argument("--quantization", default=None, choices=["int8", "int4"],
                      help="weight-only quantization of our model (chapter 09)")
-    srv.add_argument("--cpu-decode-kernel", action="store_true",
-                     help="CPU: decode attention reads K/V in place in a compiled C++ kernel (needs a compiler)")
+    srv.add_argument("--cpu-decode-kernel", action=argparse.BooleanOptionalAction, default=True,
+                     help="CPU: decode attention reads K/V in place in a compiled C++ kernel (the default where a "
+                          "C++ compiler built it); --no-cpu-decode-kernel keeps the PyTorch gather")
     srv.add_argument("--max-waiting-requests", type=int, default=1024,
                      help="requests waiting for a slot beyond this get 429 (0: no waiting at all)")
     srv.add_argument("--max-request-body-bytes", type=int, default=4 << 20, help="larger bodies get 413")
