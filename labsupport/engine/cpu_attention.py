@@ -12,7 +12,9 @@ of PyTorch's own thread pool (``at::parallel_for``), so ``torch.set_num_threads`
 
 Measured on the 2-core course machine (batch 32, ~240-token contexts, SmolLM2's 9 query and 3 KV
 heads, 30 layers' pools cold): 1.38 ms per layer against 2.98 ms for the gather and two matmuls, the
-same output to 3e-7; a batch-32 decode step 1.35x faster (README, "Performance").
+same output to 3e-7; a batch-32 decode step 1.35x faster (README, "Performance"). Walking the table block
+by block, rather than finding each token's slot with a division, halved it again on the Zen 5 machine
+(batch 32, contexts of 250-500 tokens: 1.07 ms per layer against 2.1, bit-identical output).
 
 It is compiled once per machine with ``torch.utils.cpp_extension`` (a C++ compiler and about 40 s;
 the build is cached under ``~/.cache/torch_extensions``, one per instruction set; ``python -m labsupport
@@ -30,9 +32,9 @@ import torch
 
 from .paged_attention import paged_decode_attention
 
-SOURCE = r"""
-#include <torch/extension.h>
+SOURCE = r"""#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -48,22 +50,30 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
   const float *qp = q.data_ptr<float>(), *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>();
   const int64_t *tables = block_tables.data_ptr<int64_t>(), *lens = context_lens.data_ptr<int64_t>();
   float *op = out.data_ptr<float>();
+  const int64_t block_floats = block_size * D;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(G * D);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv, L = lens[b];
+      const int64_t b = task / Hkv, h = task % Hkv, L = lens[b], num_blocks = (L + block_size - 1) / block_size;
+      const int64_t *table = tables + b * W;
       const float *keys = kp + h * slots * D, *values = vp + h * slots * D;
       const float *queries = qp + (b * H + h * G) * D;          // the G query heads of KV head h
-      scores.assign(G * L, 0.f);
-      // the slot of token t; a block is 4 KB here, so the hardware prefetcher stops at its end: ask for the
-      // same token of the next block ahead of time (27 % faster per layer than without, measured cold)
-      auto row = [&](const float *pool, int64_t t) { return pool + (tables[b * W + t / block_size] * block_size + t % block_size) * D; };
-      auto prefetch_next_block = [&](const float *pool, int64_t t) {
-        if (t + block_size < L) { const float *next = row(pool, t + block_size); for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(next + i); }
+      scores.resize(G * L);
+      // Block by block through the table: block i holds tokens i*block_size .. and lies at table[i]*block_size.
+      // A block is 4 KB here, so the hardware prefetcher stops at its end: while reading row j of a block,
+      // ask for row j of the next one (27 % faster per layer than without, measured cold).
+      auto walk = [&](const float *pool, auto &&visit) {
+        for (int64_t i = 0; i < num_blocks; ++i) {
+          const float *block = pool + table[i] * block_floats;
+          const float *next = i + 1 < num_blocks ? pool + table[i + 1] * block_floats : nullptr;
+          const int64_t first = i * block_size, n = std::min(block_size, L - first);
+          for (int64_t j = 0; j < n; ++j) {
+            if (next) for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(next + j * D + d);
+            visit(first + j, block + j * D);
+          }
+        }
       };
-      for (int64_t t = 0; t < L; ++t) {                          // q . k for every key of the context
-        const float *k = row(keys, t);
-        prefetch_next_block(keys, t);
+      walk(keys, [&](int64_t t, const float *k) {                // q . k for every key of the context
         for (int64_t g = 0; g < G; ++g) {
           const float *qg = queries + g * D;
           float dot = 0.f;
@@ -71,7 +81,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
           for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
           scores[g * L + t] = dot * (float)scale;
         }
-      }
+      });
       for (int64_t g = 0; g < G; ++g) {                          // softmax over the context
         float *s = scores.data() + g * L, top = -INFINITY, sum = 0.f;
         for (int64_t t = 0; t < L; ++t) top = std::max(top, s[t]);
@@ -79,16 +89,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
         for (int64_t t = 0; t < L; ++t) s[t] /= sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {                          // the values, weighted
-        const float *v = row(values, t);
-        prefetch_next_block(values, t);
+      walk(values, [&](int64_t t, const float *v) {              // the values, weighted
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * L + t];
           float *a = acc.data() + g * D;
           #pragma omp simd
           for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
         }
-      }
+      });
       std::copy(acc.begin(), acc.end(), op + (b * H + h * G) * D);
     }
   });
