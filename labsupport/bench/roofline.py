@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..models.llama import ModelConfig, _onednn_linear
+from ..models.llama import ModelConfig, _onednn_linear, product
 
 DECODE_BATCHES = (1, 4, 16, 32, 64)
 PREFILL_SHAPE = (2048, 576, 1536)  # M x K x N: a 2048-token prefill through a SmolLM2-sized MLP
@@ -103,9 +103,9 @@ def _bandwidth_seconds(min_time: float) -> tuple[float, float]:
 def _linear_seconds(x, w, min_time: float) -> float:
     """Best time of ``x @ w.T``: ``F.linear``, or oneDNN on the packed weight where our engine uses it."""
     seconds = _best_seconds(lambda: F.linear(x, w), min_time)
-    if _onednn_linear is not None and x.dtype == torch.float32:
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)  # as pack_cpu_weights packs it
-        seconds = min(seconds, _best_seconds(lambda: _onednn_linear(x, packed, None, "none", [], ""), min_time))
+    if _onednn_linear is not None and x.dtype == torch.float32:  # packed as pack_cpu_weights packs it
+        packed = (torch.ops.mkldnn._reorder_linear_weight(w, 32), w.data_ptr(), w._version)
+        seconds = min(seconds, _best_seconds(lambda: product(x, w, None, packed), min_time))
     return seconds
 
 
