@@ -87,7 +87,7 @@ def main(argv=None):
         import torch
         if not torch.cuda.is_available():  # build the CPU decode kernel now, not in a chapter's first cell
             from .engine import cpu_attention
-            print("building the CPU decode kernel (once per machine, ~40 s) ...", flush=True)
+            print("building the CPU decode kernel (once per machine, 30-40 s) ...", flush=True)
             built, why_not = cpu_attention.available()
             print("CPU decode kernel: built" if built else f"{why_not}; engines will keep the PyTorch gather")
         return 0

@@ -1,6 +1,7 @@
 """``engine/cpu_memory.py``: freed activation memory stays in the process, so the next step's tensors
 of the same size do not fault their pages in again. Counted with the kernel's own page-fault counter
 (``getrusage``), in fresh interpreters: the setting is process-wide and applied once."""
+import os
 import platform
 import subprocess
 import sys
@@ -23,7 +24,6 @@ print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def faults(mode, env=None):
-    import os
     out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True,
                          env={**os.environ, **(env or {})}).stdout.split()
     return out[0] == "True", int(out[1])
