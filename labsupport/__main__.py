@@ -85,11 +85,14 @@ def main(argv=None):
         from .models.loader import prepare_default_model
         print(prepare_default_model())
         import torch
-        if not torch.cuda.is_available():  # build the CPU decode kernel now, not in a chapter's first cell
+        if not torch.cuda.is_available():  # build the CPU kernels now, not in a chapter's first cell
             from .engine import cpu_attention
-            print("building the CPU decode kernel (once per machine, 30-40 s) ...", flush=True)
+            from .models import cpu_kernels
+            print("building the CPU kernels (once per machine, about a minute) ...", flush=True)
             built, why_not = cpu_attention.available()
             print("CPU decode kernel: built" if built else f"{why_not}; engines will keep the PyTorch gather")
+            built, why_not = cpu_kernels.build()
+            print("CPU model kernels: built" if built else f"{why_not}; the model keeps PyTorch's code")
         return 0
     from . import LLM, SamplingParams
     try:

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..models import cpu_kernels
 from ..models.llama import ModelConfig, _onednn_linear, product
 
 DECODE_BATCHES = (1, 4, 16, 32, 64)
@@ -101,7 +102,8 @@ def _bandwidth_seconds(min_time: float) -> tuple[float, float]:
 
 
 def _linear_seconds(x, w, min_time: float) -> float:
-    """Best time of ``x @ w.T``: ``F.linear``, or oneDNN on the packed weight where our engine uses it."""
+    """Best time of ``x @ w.T``: ``F.linear``, or what our engine runs (``llama.product``: oneDNN on the packed
+    weight, or the C++ kernel for one to three rows, ``cpu_kernels.py``)."""
     seconds = _best_seconds(lambda: F.linear(x, w), min_time)
     if _onednn_linear is not None and x.dtype == torch.float32:  # packed as pack_cpu_weights packs it
         packed = (torch.ops.mkldnn._reorder_linear_weight(w, 32), w.data_ptr(), w._version)
@@ -113,6 +115,8 @@ def measure(folder, quick: bool = False, dtypes=("fp32", "bf16")) -> dict:
     """Measure bandwidths and matmul rates on this machine; derive decode-step floors for the model."""
     min_time = 0.04 if quick else 0.3
     facts = model_facts(folder)
+    if not torch.cuda.is_available():  # time the products our CPU engine runs (built once; else PyTorch's)
+        cpu_kernels.build()
     read_s, copy_s = _bandwidth_seconds(min_time * 2)
     rates = {}
     for name in dtypes:

@@ -16,20 +16,18 @@ same output to 3e-7; a batch-32 decode step 1.35x faster (README, "Performance")
 by block, rather than finding each token's slot with a division, halved it again on the Zen 5 machine
 (batch 32, contexts of 250-500 tokens: 1.07 ms per layer against 2.1, bit-identical output).
 
-It is compiled once per machine with ``torch.utils.cpp_extension`` (a C++ compiler and about 40 s;
-the build is cached under ``~/.cache/torch_extensions``, one per instruction set; ``python -m labsupport
-prepare`` builds it ahead). On by default on the CPU, ``EngineConfig.cpu_decode_kernel``: where it
+It is compiled once per machine (``models/cpu_kernels.compile_cpu_extension``: a C++ compiler and about
+40 s; the build is cached under ``~/.cache/torch_extensions``, one per instruction set; ``python -m
+labsupport prepare`` builds it ahead). On by default on the CPU, ``EngineConfig.cpu_decode_kernel``: where it
 cannot be built, ``available()`` says why, the engine warns once and keeps the PyTorch gather.
 """
 from __future__ import annotations
 
-import os
-import shutil
-import threading
 import warnings
 
 import torch
 
+from ..models.cpu_kernels import compile_cpu_extension
 from .paged_attention import paged_decode_attention
 
 SOURCE = r"""#include <torch/extension.h>
@@ -104,7 +102,6 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
 }
 """
 
-_lock = threading.Lock()
 _module = None
 _why_not: str | None = None
 _warned = False
@@ -113,19 +110,10 @@ _warned = False
 def available() -> tuple[bool, str]:
     """Compile (or load the cached build of) the kernel once per process: (True, "") or (False, why not)."""
     global _module, _why_not
-    with _lock:
-        if _module is None and _why_not is None:
-            try:
-                from torch.utils.cpp_extension import load_inline
-                _put_ninja_on_path()
-                cap = torch.backends.cpu.get_cpu_capability()  # one build per instruction set: a shared cache stays safe
-                vector = ["-mavx2", "-mfma"] if cap in ("AVX2", "AVX512") else []  # 16 % faster than SSE2 here
-                _module = load_inline(f"labsupport_cpu_paged_decode_{cap.lower()}", cpp_sources=[SOURCE],
-                                      functions=["paged_decode"], extra_cflags=["-O3", "-fopenmp", *vector],
-                                      extra_ldflags=["-fopenmp"], verbose=False)
-            except Exception as exc:  # no compiler, no headers, an unsupported platform: keep the PyTorch path
-                _why_not = f"the CPU decode kernel could not be built ({type(exc).__name__}: {str(exc)[:300]})"
-        return _module is not None, _why_not or ""
+    if _module is None and _why_not is None:
+        _module, why_not = compile_cpu_extension("cpu_paged_decode", "the CPU decode kernel", SOURCE, ["paged_decode"])
+        _why_not = why_not or None
+    return _module is not None, _why_not or ""
 
 
 def warn_once_not_built():
@@ -135,17 +123,6 @@ def warn_once_not_built():
         _warned = True
         warnings.warn(available()[1] + "; decode attention keeps the PyTorch gather "
                       "(cpu_decode_kernel=False says so without this warning)", stacklevel=3)
-
-
-def _put_ninja_on_path():
-    """The build runs ``ninja``: the pip package's copy (a dependency) is found even where the venv is not
-    activated (``.venv/bin/python -m pytest``, a Jupyter kernel), where PATH has none of its own."""
-    if shutil.which("ninja") is None:
-        try:
-            import ninja
-        except ImportError:
-            return
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def cpu_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows, block_size: int):

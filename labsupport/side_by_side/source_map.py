@@ -96,7 +96,8 @@ MECHANISMS = [dict(zip(("mechanism", "chapter", "ours", "vllm", "differs"), (m, 
     ("CUDA graphs", "GPU", "engine/cuda_graphs.py:DecodeGraphs",
      "v1/cudagraph_dispatcher.py:CudagraphDispatcher compilation/cuda_graph.py:CUDAGraphWrapper",
      "ours: full graphs of decode steps; vLLM also captures piecewise graphs for mixed batches"),
-    ("Fused kernels", "GPU", "models/fused_kernels.py:triton_rope_qk models/llama.py:fuse_projections",
+    ("Fused kernels", "GPU", "models/fused_kernels.py:triton_rope_qk models/cpu_kernels.py:cpu_rope_qk "
+     "models/llama.py:fuse_projections",
      "model_executor/layers/rotary_embedding/base.py:RotaryEmbedding model_executor/layers/linear.py:QKVParallelLinear "
      "model_executor/custom_op.py:CustomOp", "vLLM's are CustomOps: compiled C++/CUDA kernels with a PyTorch fallback"),
     ("Frontend (prompt to tokens)", "06", "frontend.py:Frontend",

@@ -1,0 +1,206 @@
+"""Small compiled C++ kernels for the model on the CPU, and the one way this package builds them.
+
+Two places where PyTorch's general code leaves time on the table in a decode step, measured on the
+2-core course machine (Zen 5, AVX-512), default model, float32:
+
+**Thin products** (``thin_product``): ``x @ weight.T`` for one to three rows of ``x``, a decode step of
+one to three sequences. Such a product only streams its weight from memory, and oneDNN's packed
+path reads SmolLM2's 538 MB at ~31 GB/s (17-18 ms a step, the 121 products of the model). Eight
+weight rows at a time, each read once and dotted with every row of ``x`` from registers, reach
+~37 GB/s: 14.7 against 18.5 ms at one row, 17.7 against 22.5 at two, 18.3 against 21.1 at three;
+from four rows on, oneDNN's blocking wins (AVX2 builds: up to two rows). The sum runs in a
+different order from oneDNN's, as oneDNN's differs from the default BLAS: tokens are checked
+against transformers as for every product.
+
+**RoPE of q and k in one call** (``cpu_rope_qk``), the CPU's twin of ``fused_kernels.triton_rope_qk``.
+``apply_rope`` in PyTorch is about a dozen small operators for q and k together (slices, a negation,
+a concatenation, broadcast products and sums), each a few microseconds of dispatch around almost no
+arithmetic: 35 us per layer at one token, about 1 ms of a single-sequence decode step. One C++ loop
+does both rotations in 2 us and writes q and k contiguous, which the decode kernel
+(``engine/cpu_attention.py``) reads without a copy. It computes exactly what ``apply_rope`` computes,
+product by product and sum by sum (no fused multiply-add: ``-ffp-contract=off``), so its output is
+bit-identical.
+
+**Building.** ``compile_cpu_extension`` compiles a source once per machine with
+``torch.utils.cpp_extension`` (a C++ compiler, ``ninja``, 20-40 s; cached under
+``~/.cache/torch_extensions``, one build per instruction set so a shared cache stays safe).
+The engine builds these kernels when it starts on a CPU, and ``python -m labsupport prepare`` ahead
+of that, so no chapter waits on a compiler mid-step; a forward pass only uses what is already built.
+Where nothing can be built (a laptop without a compiler), the reason is kept and PyTorch's code runs.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+
+import torch
+
+SOURCE = r"""#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <vector>
+
+// q [T, H, D], k [T, Hkv, D] (any strides but the last), cos/sin [T, D] contiguous -> q, k rotated, contiguous.
+// Each half-pair (d, d + D/2) turns by the token's angle: x * cos + rotate_half(x) * sin, as apply_rope.
+std::vector<torch::Tensor> rope_qk(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+  const int64_t T = q.size(0), H = q.size(1), Hkv = k.size(1), D = q.size(2), half = D / 2;
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && cos.is_contiguous() && sin.is_contiguous() && D % 2 == 0
+              && k.size(2) == D && cos.size(0) == T && cos.size(1) == D, "rope_qk: unexpected inputs");
+  auto q_out = torch::empty({T, H, D}, q.options()), k_out = torch::empty({T, Hkv, D}, k.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float *qo = q_out.data_ptr<float>(), *ko = k_out.data_ptr<float>();
+  auto rotate = [&](const float *x, float *y, const float *c, const float *s) {
+    for (int64_t d = 0; d < half; ++d) {
+      const float lo = x[d], hi = x[d + half];
+      y[d] = lo * c[d] + (-hi) * s[d];
+      y[d + half] = hi * c[d + half] + lo * s[d + half];
+    }
+  };
+  const int64_t grain = std::max<int64_t>(1, 16384 / ((H + Hkv) * D));  // a decode step's few tokens: one thread
+  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float *c = cp + t * D, *s = sp + t * D;
+      for (int64_t h = 0; h < H; ++h) rotate(qp + t * q.stride(0) + h * q.stride(1), qo + (t * H + h) * D, c, s);
+      for (int64_t h = 0; h < Hkv; ++h) rotate(kp + t * k.stride(0) + h * k.stride(1), ko + (t * Hkv + h) * D, c, s);
+    }
+  });
+  return {q_out, k_out};
+}
+
+#ifdef __AVX512F__
+using vec = __m512; constexpr int64_t W = 16;
+static inline vec vzero() { return _mm512_setzero_ps(); }
+static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+#else
+using vec = __m256; constexpr int64_t W = 8;
+static inline vec vzero() { return _mm256_setzero_ps(); }
+static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_hadd_ps(s, s); s = _mm_hadd_ps(s, s); return _mm_cvtss_f32(s);
+}
+#endif
+
+// x [M, K] (a few rows), weight [N, K] row-major, bias [N] or empty -> x @ weight.T + bias, [M, N].
+// Eight weight rows at a time, each streamed from memory once and dotted with every row of x.
+torch::Tensor thin_product(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && K % W == 0 && N % 8 == 0 && weight.size(1) == K,
+              "thin_product: unexpected inputs");
+  auto out = torch::empty({M, N}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  const float *bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float *op = out.data_ptr<float>();
+  at::parallel_for(0, N / 8, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const float *r = wp + g * 8 * K;
+      for (int64_t m = 0; m < M; ++m) {
+        const float *xm = xp + m * K;
+        vec a0 = vzero(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        for (int64_t k = 0; k < K; k += W) {
+          const vec xv = vload(xm + k);
+          a0 = vfma(xv, vload(r + k), a0);         a1 = vfma(xv, vload(r + K + k), a1);
+          a2 = vfma(xv, vload(r + 2 * K + k), a2); a3 = vfma(xv, vload(r + 3 * K + k), a3);
+          a4 = vfma(xv, vload(r + 4 * K + k), a4); a5 = vfma(xv, vload(r + 5 * K + k), a5);
+          a6 = vfma(xv, vload(r + 6 * K + k), a6); a7 = vfma(xv, vload(r + 7 * K + k), a7);
+        }
+        float *o = op + m * N + g * 8;
+        o[0] = vsum(a0); o[1] = vsum(a1); o[2] = vsum(a2); o[3] = vsum(a3);
+        o[4] = vsum(a4); o[5] = vsum(a5); o[6] = vsum(a6); o[7] = vsum(a7);
+        if (bp) for (int i = 0; i < 8; ++i) o[i] += bp[g * 8 + i];
+      }
+    }
+  });
+  return out;
+}
+
+int64_t vector_width() { return W; }
+"""
+
+_lock = threading.Lock()
+_built: dict[str, tuple[object, str]] = {}  # name -> (module or None, why not)
+_thin_rows: dict[object, int] = {}
+
+
+def compile_cpu_extension(name: str, what: str, source: str, functions: list[str],
+                          extra_cflags=()) -> tuple[object, str]:
+    """Compile ``source`` (or load its cached build) once per process: (module, "") or (None, why not),
+    the reason naming ``what`` was being built."""
+    with _lock:
+        if name not in _built:
+            try:
+                from torch.utils.cpp_extension import load_inline
+                _put_ninja_on_path()
+                cap = torch.backends.cpu.get_cpu_capability()  # one build per instruction set
+                vector = ["-mavx2", "-mfma"] if cap in ("AVX2", "AVX512") else []  # 16 % faster than SSE2 here
+                module = load_inline(f"labsupport_{name}_{cap.lower()}", cpp_sources=[source], functions=functions,
+                                     extra_cflags=["-O3", "-fopenmp", *vector, *extra_cflags],
+                                     extra_ldflags=["-fopenmp"], verbose=False)
+                _built[name] = (module, "")
+            except Exception as exc:  # no compiler, no headers, an unsupported platform: keep the PyTorch path
+                _built[name] = (None, f"{what} could not be built ({type(exc).__name__}: {str(exc)[:300]})")
+        return _built[name]
+
+
+def _put_ninja_on_path():
+    """The build runs ``ninja``: the pip package's copy (a dependency) is found even where the venv is not
+    activated (``.venv/bin/python -m pytest``, a Jupyter kernel), where PATH has none of its own."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def build() -> tuple[bool, str]:
+    """Build the model's CPU kernels now, or say why they cannot be (then PyTorch's code runs)."""
+    wide = ["-mavx512f"] if torch.backends.cpu.get_cpu_capability() == "AVX512" else []
+    module, why_not = compile_cpu_extension("cpu_model_kernels", "the CPU model kernels (RoPE, thin products)",
+                                            SOURCE, ["rope_qk", "thin_product", "vector_width"],
+                                            ["-ffp-contract=off", *wide])
+    return module is not None, why_not
+
+
+def _module():
+    return _built.get("cpu_model_kernels", (None,))[0]
+
+
+def thin_rows() -> int:
+    """Rows up to which ``thin_product`` beats oneDNN: 3 with AVX-512, 2 with AVX2 (measured, see above)."""
+    module = _module()
+    if module is None:
+        return 0
+    if module not in _thin_rows:
+        _thin_rows[module] = 3 if module.vector_width() == 16 else 2
+    return _thin_rows[module]
+
+
+def thin_product(x: torch.Tensor, weight: torch.Tensor, bias):
+    """``x @ weight.T + bias`` streamed by the C++ kernel, or None where it does not apply: not built, more
+    rows than ``thin_rows()``, not float32 on the CPU, shapes off its vector width, or autograd watching."""
+    module = _module()
+    if (module is None or x.dim() != 2 or not 0 < x.shape[0] <= thin_rows()
+            or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
+            or x.shape[1] % 16 or weight.shape[0] % 8 or not x.is_contiguous() or not weight.is_contiguous()
+            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return None
+    return module.thin_product(x, weight, bias)
+
+
+def cpu_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """``(apply_rope(q, cos, sin), apply_rope(k, cos, sin))`` in one call, or None where this kernel does not
+    apply: not built yet (a forward pass never waits for a compiler), not float32 on the CPU, or autograd
+    watching (the kernel has no backward)."""
+    module = _module()
+    if (module is None or q.device.type != "cpu" or q.dtype != torch.float32 or k.dtype != torch.float32
+            or cos.dtype != torch.float32 or q.stride(-1) != 1 or k.stride(-1) != 1 or q.requires_grad or k.requires_grad):
+        return None
+    return module.rope_qk(q, k, cos.contiguous(), sin.contiguous())

@@ -1,0 +1,108 @@
+"""The model's compiled CPU kernels (``models/cpu_kernels.py``): RoPE bit-identical to ``apply_rope``, thin
+products equal to ``x @ w.T + b`` to float32 rounding, and a whole engine giving the same tokens without them.
+
+They need a C++ compiler; where none is found they are unavailable, these tests skip saying why, and
+the model keeps PyTorch's code (which every other test covers).
+"""
+import pytest
+import torch
+
+from labsupport import SamplingParams
+from labsupport.models import cpu_kernels
+from labsupport.models.llama import ModelConfig, apply_rope, product, rope_frequencies, rope_qk
+
+from conftest import PROMPTS
+
+
+@pytest.fixture(scope="module")
+def built():
+    ok, why_not = cpu_kernels.build()
+    if not ok:
+        pytest.skip(why_not)
+
+
+def angles(positions, head_dim, rope_scaling=None):
+    cfg = ModelConfig(vocab_size=8, hidden_size=head_dim, intermediate_size=8, num_layers=1, num_heads=1,
+                      num_kv_heads=1, head_dim=head_dim, rope_theta=500000.0, rope_scaling=rope_scaling or {})
+    inv_freq, scaling = rope_frequencies(cfg)
+    a = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((a, a), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+@pytest.mark.parametrize("tokens, heads, kv_heads, head_dim", [(1, 9, 3, 64), (37, 9, 3, 64), (300, 32, 8, 128),
+                                                               (5, 4, 4, 32)])
+def test_rope_is_bit_identical_to_apply_rope(built, tokens, heads, kv_heads, head_dim):
+    """q and k as the model makes them: strided views of one stacked q/k/v product, far and near positions."""
+    torch.manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim) * 3
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    positions = torch.randint(0, 100_000, (tokens,))
+    cos, sin = angles(positions, head_dim, {"rope_type": "yarn", "factor": 4.0,
+                                            "original_max_position_embeddings": 8192})
+    before = qkv.clone()
+    got_q, got_k = cpu_kernels.cpu_rope_qk(q, k, cos, sin)
+    assert torch.equal(got_q, apply_rope(q, cos, sin)) and torch.equal(got_k, apply_rope(k, cos, sin))
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    assert torch.equal(qkv, before)  # its inputs are left as they were
+
+
+def test_rope_declines_what_it_cannot_do(built):
+    """Autograd watching, another dtype: ``rope_qk`` falls back to ``apply_rope`` and gradients still flow."""
+    q = torch.randn(3, 4, 32, requires_grad=True)
+    k = torch.randn(3, 2, 32)
+    cos, sin = angles(torch.arange(3), 32)
+    assert cpu_kernels.cpu_rope_qk(q, k, cos, sin) is None
+    rq, rk = rope_qk(q, k, cos, sin)
+    rq.sum().backward()
+    assert q.grad is not None and torch.equal(rk, apply_rope(k, cos, sin))
+    half = (q.detach().bfloat16(), k.bfloat16(), cos.bfloat16(), sin.bfloat16())
+    assert cpu_kernels.cpu_rope_qk(*half) is None
+
+
+@pytest.mark.parametrize("n, k", [(960, 576), (3072, 576), (576, 1536), (49152, 576), (8, 16)])
+def test_thin_product_equals_the_matrix_product(built, n, k):
+    """One row up to ``thin_rows()``, with and without a bias (Qwen2's q/k/v), on a row slice of a stacked
+    matrix as ``fuse_projections`` makes them; float64 is the judge."""
+    torch.manual_seed(n)
+    stacked = torch.randn(n + 8, k) * 0.05
+    weight, bias = stacked[8:], torch.randn(n)
+    assert cpu_kernels.thin_rows() >= 2
+    for rows in range(1, cpu_kernels.thin_rows() + 1):
+        x = torch.randn(rows, k)
+        for b in (None, bias):
+            got = cpu_kernels.thin_product(x, weight, b)
+            want = x.double() @ weight.double().T + (0 if b is None else b.double())
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k ** 0.5)
+            torch.testing.assert_close(product(x, weight, b), got, rtol=0, atol=0)  # the model takes this path
+
+
+def test_thin_product_declines_what_it_cannot_do(built):
+    """More rows than it wins at, widths off its vectors, bf16, autograd watching: None, and ``product``
+    gives the right answer by another path."""
+    w = torch.randn(64, 32)
+    too_many = torch.randn(cpu_kernels.thin_rows() + 1, 32)
+    assert cpu_kernels.thin_product(too_many, w, None) is None
+    assert cpu_kernels.thin_product(torch.randn(1, 24), torch.randn(64, 24), None) is None  # 24 % 16
+    assert cpu_kernels.thin_product(torch.randn(1, 32), torch.randn(60, 32), None) is None  # 60 % 8
+    assert cpu_kernels.thin_product(torch.randn(1, 32).bfloat16(), w.bfloat16(), None) is None
+    assert cpu_kernels.thin_product(torch.randn(0, 32), w, None) is None
+    x = torch.randn(1, 32, requires_grad=True)
+    assert cpu_kernels.thin_product(x, w, None) is None
+    product(x, w, None).sum().backward()
+    torch.testing.assert_close(x.grad, w.sum(0)[None])
+
+
+def test_an_engine_gives_the_same_tokens_without_the_kernel(built, llm, monkeypatch):
+    """Whole engine, prefill and decode at batch 1 and 3 (thin products) and 5 (oneDNN): the kernels change no
+    token, and logprobs only in float32's last places (the thin products sum in another order)."""
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=2)
+    with_kernels = [llm.generate(PROMPTS[:b], params, use_tqdm=False) for b in (1, 3, 5)]
+    monkeypatch.setitem(cpu_kernels._built, "cpu_model_kernels", (None, "switched off by the test"))
+    without = [llm.generate(PROMPTS[:b], params, use_tqdm=False) for b in (1, 3, 5)]
+    for a, b in zip(sum(with_kernels, []), sum(without, [])):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert la.keys() == lb.keys()
+            assert all(abs(la[t] - lb[t]) < 1e-3 for t in la)
