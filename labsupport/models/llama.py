@@ -141,7 +141,7 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     loop once the engine has built it (``cpu_kernels.py``: bit-identical, a millisecond off a decode step)."""
     if q.is_cuda and _gpu_kernels() is not None and q.shape[-1] in (16, 32, 64, 128, 256):
         return _gpu_kernels().triton_rope_qk(q, k, cos, sin)
-    rotated = cpu_kernels.cpu_rope_qk(q, k, cos, sin) if q.device.type == "cpu" else None
+    rotated = cpu_kernels.cpu_rope_qk(q, k, cos, sin)  # None where it does not apply (a GPU, bf16, autograd)
     return rotated if rotated is not None else (apply_rope(q, cos, sin), apply_rope(k, cos, sin))
 
 
