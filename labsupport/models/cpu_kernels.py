@@ -125,7 +125,7 @@ int64_t vector_width() { return W; }
 
 _lock = threading.Lock()
 _built: dict[str, tuple[object, str]] = {}  # name -> (module or None, why not)
-_thin_rows: dict[object, int] = {}
+_thin_rows = 0  # set by build(): rows up to which thin_product beats oneDNN with this build's vectors
 
 
 def compile_cpu_extension(name: str, what: str, source: str, functions: list[str],
@@ -161,10 +161,13 @@ def _put_ninja_on_path():
 
 def build() -> tuple[bool, str]:
     """Build the model's CPU kernels now, or say why they cannot be (then PyTorch's code runs)."""
+    global _thin_rows
     wide = ["-mavx512f"] if torch.backends.cpu.get_cpu_capability() == "AVX512" else []
     module, why_not = compile_cpu_extension("cpu_model_kernels", "the CPU model kernels (RoPE, thin products)",
                                             SOURCE, ["rope_qk", "thin_product", "vector_width"],
                                             ["-ffp-contract=off", *wide])
+    if module is not None:
+        _thin_rows = 3 if module.vector_width() == 16 else 2
     return module is not None, why_not
 
 
@@ -174,12 +177,7 @@ def _module():
 
 def thin_rows() -> int:
     """Rows up to which ``thin_product`` beats oneDNN: 3 with AVX-512, 2 with AVX2 (measured, see above)."""
-    module = _module()
-    if module is None:
-        return 0
-    if module not in _thin_rows:
-        _thin_rows[module] = 3 if module.vector_width() == 16 else 2
-    return _thin_rows[module]
+    return _thin_rows if _module() is not None else 0
 
 
 def thin_product(x: torch.Tensor, weight: torch.Tensor, bias):
