@@ -95,3 +95,17 @@ def test_an_engine_without_the_kernel_warns_once_and_keeps_the_gather(llm, monke
     finally:
         for e in engines:
             e.shutdown()
+
+
+def test_peaked_and_flat_softmax(kernel):
+    """The kernel's own ``exp`` (a polynomial the compiler vectorises) over scores far apart, where most weights
+    underflow to zero, and over equal scores, where they all count the same."""
+    q, k, v, rows = random_case([300, 17, 129], 9, 3, 64, 16, torch.float32, seed=5)
+    for scaled in (q * 40, q * 0):
+        torch.testing.assert_close(kernel(scaled, k, v, rows, 16), paged_decode_attention(scaled, k, v, rows, 16),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_head_sizes_off_the_vector_width_take_the_gather(kernel):
+    q, k, v, rows = random_case([5, 21], 4, 2, 24, 16, torch.float32, seed=6)
+    assert torch.equal(kernel(q, k, v, rows, 16), paged_decode_attention(q, k, v, rows, 16))

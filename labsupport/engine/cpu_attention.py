@@ -16,6 +16,14 @@ same output to 3e-7; a batch-32 decode step 1.35x faster (README, "Performance")
 by block, rather than finding each token's slot with a division, halved it again on the Zen 5 machine
 (batch 32, contexts of 250-500 tokens: 1.07 ms per layer against 2.1, bit-identical output).
 
+Written with explicit vectors (``cpu_kernels.VECTORS``: AVX-512 where the CPU has it) it took a third
+off again: the dot products of q and k reduce one register each, the softmax's ``exp`` is a polynomial
+the compiler vectorises (``std::exp`` is a scalar call, and was a third of the kernel's time), and the
+weighted sum of the values stays in registers, four vectors of the head at a time, instead of adding into
+memory token by token. Measured on the Zen 5 machine, batch 32, contexts of 100-200 tokens, 30 layers'
+pools cold, old and new alternating: 0.41-0.46 ms per layer against 0.65-0.73 (AVX2 build: 0.56), with
+the same bytes read at ~33 GB/s by a plain sum taking 0.27-0.33; outputs within 3e-7 of the old kernel.
+
 It is compiled once per machine (``models/cpu_kernels.compile_cpu_extension``: a C++ compiler and about
 40 s; the build is cached under ``~/.cache/torch_extensions``, one per instruction set; ``python -m
 labsupport prepare`` builds it ahead). On by default on the CPU, ``EngineConfig.cpu_decode_kernel``: where it
@@ -27,39 +35,52 @@ import warnings
 
 import torch
 
-from ..models.cpu_kernels import compile_cpu_extension
+from ..models.cpu_kernels import VECTORS, compile_cpu_extension
 from .paged_attention import paged_decode_attention
 
-SOURCE = r"""#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <algorithm>
+SOURCE = VECTORS + r"""#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
-// q [B, H, D]; k_pool, v_pool [Hkv, slots, D]; block_tables [B, W]; context_lens [B]  ->  [B, H, D]
+// exp(x) for x <= 0, written so the compiler vectorises the softmax loop (std::exp is a scalar call):
+// x = n ln2 + r, |r| <= ln2 / 2; e^r by its degree-6 Taylor polynomial; 2^n written into the exponent bits.
+static inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = std::fma(n, -0.693359375f, std::fma(n, 2.12194440e-4f, x));
+  float p = 1.f / 720;
+  p = std::fma(p, r, 1.f / 120); p = std::fma(p, r, 1.f / 24); p = std::fma(p, r, 1.f / 6);
+  p = std::fma(p, r, 0.5f); p = std::fma(p, r, 1.f); p = std::fma(p, r, 1.f);
+  const int32_t bits = ((int32_t)n + 127) << 23;
+  float two_n; std::memcpy(&two_n, &bits, 4);
+  return p * two_n;
+}
+
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                            torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, double scale) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t Hkv = k_pool.size(0), slots = k_pool.size(1), W = block_tables.size(1), G = H / Hkv;
+  const int64_t Hkv = k_pool.size(0), slots = k_pool.size(1), Wt = block_tables.size(1), G = H / Hkv;
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() && block_tables.is_contiguous()
               && context_lens.is_contiguous() && block_tables.scalar_type() == torch::kLong
-              && context_lens.scalar_type() == torch::kLong && H % Hkv == 0, "paged_decode: unexpected inputs");
+              && context_lens.scalar_type() == torch::kLong && H % Hkv == 0 && D % W == 0, "paged_decode: unexpected inputs");
   auto out = torch::empty_like(q);
   const float *qp = q.data_ptr<float>(), *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>();
   const int64_t *tables = block_tables.data_ptr<int64_t>(), *lens = context_lens.data_ptr<int64_t>();
   float *op = out.data_ptr<float>();
   const int64_t block_floats = block_size * D;
+  const float sc = (float)scale;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(G * D);
+    std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv, L = lens[b], num_blocks = (L + block_size - 1) / block_size;
-      const int64_t *table = tables + b * W;
+      const int64_t *table = tables + b * Wt;
       const float *keys = kp + h * slots * D, *values = vp + h * slots * D;
-      const float *queries = qp + (b * H + h * G) * D;          // the G query heads of KV head h
+      const float *queries = qp + (b * H + h * G) * D;
+      float *outs = op + (b * H + h * G) * D;
       scores.resize(G * L);
-      // Block by block through the table: block i holds tokens i*block_size .. and lies at table[i]*block_size.
-      // A block is 4 KB here, so the hardware prefetcher stops at its end: while reading row j of a block,
-      // ask for row j of the next one (27 % faster per layer than without, measured cold).
       auto walk = [&](const float *pool, auto &&visit) {
         for (int64_t i = 0; i < num_blocks; ++i) {
           const float *block = pool + table[i] * block_floats;
@@ -71,31 +92,41 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
           }
         }
       };
-      walk(keys, [&](int64_t t, const float *k) {                // q . k for every key of the context
+      walk(keys, [&](int64_t t, const float *k) {
         for (int64_t g = 0; g < G; ++g) {
           const float *qg = queries + g * D;
-          float dot = 0.f;
-          #pragma omp simd reduction(+:dot)
-          for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
-          scores[g * L + t] = dot * (float)scale;
+          vec a = vmul(vload(qg), vload(k));
+          for (int64_t d = W; d < D; d += W) a = vfma(vload(qg + d), vload(k + d), a);
+          scores[g * L + t] = vsum(a) * sc;
         }
       });
-      for (int64_t g = 0; g < G; ++g) {                          // softmax over the context
+      for (int64_t g = 0; g < G; ++g) {
         float *s = scores.data() + g * L, top = -INFINITY, sum = 0.f;
         for (int64_t t = 0; t < L; ++t) top = std::max(top, s[t]);
-        for (int64_t t = 0; t < L; ++t) { s[t] = std::exp(s[t] - top); sum += s[t]; }
-        for (int64_t t = 0; t < L; ++t) s[t] /= sum;
+        #pragma omp simd reduction(+:sum)
+        for (int64_t t = 0; t < L; ++t) { s[t] = exp_nonpositive(s[t] - top); sum += s[t]; }
+        const float inv = 1.f / sum;
+        #pragma omp simd
+        for (int64_t t = 0; t < L; ++t) s[t] *= inv;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      walk(values, [&](int64_t t, const float *v) {              // the values, weighted
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * L + t];
-          float *a = acc.data() + g * D;
-          #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
-        }
-      });
-      std::copy(acc.begin(), acc.end(), op + (b * H + h * G) * D);
+      // The weighted sum of the values, up to four vectors of the head dimension per walk, kept in registers.
+      auto weighted_sum = [&](auto vectors, const float *p, int64_t d0, float *o) {
+        constexpr int n = decltype(vectors)::value;
+        vec a[n];
+        for (int i = 0; i < n; ++i) a[i] = vzero();
+        walk(values, [&](int64_t t, const float *v) {
+          const vec pt = vset1(p[t]);
+          for (int i = 0; i < n; ++i) a[i] = vfma(pt, vload(v + d0 + i * W), a[i]);
+        });
+        for (int i = 0; i < n; ++i) vstore(o + d0 + i * W, a[i]);
+      };
+      for (int64_t g = 0; g < G; ++g) {
+        const float *p = scores.data() + g * L;
+        float *o = outs + g * D;
+        int64_t d0 = 0;
+        for (; d0 + 4 * W <= D; d0 += 4 * W) weighted_sum(std::integral_constant<int, 4>{}, p, d0, o);
+        for (; d0 < D; d0 += W) weighted_sum(std::integral_constant<int, 1>{}, p, d0, o);
+      }
     }
   });
   return out;
@@ -127,8 +158,9 @@ def warn_once_not_built():
 
 def cpu_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows, block_size: int):
     """``paged_attention.paged_decode_attention``'s contract (q: [B, H, D] -> [B, H, D]), read in place.
-    Float32 only (the kernel's one type); any other dtype takes the PyTorch gather."""
-    if q.dtype != torch.float32 or k_pool.dtype != torch.float32:
+    Float32 heads of a whole number of vectors (16 floats: every supported model's 64 or 128) only; any other
+    dtype or head size takes the PyTorch gather."""
+    if q.dtype != torch.float32 or k_pool.dtype != torch.float32 or q.shape[-1] % 16:
         return paged_decode_attention(q, k_pool, v_pool, rows, block_size)
     scale = 1.0 / q.shape[-1] ** 0.5
     return _module.paged_decode(q.contiguous(), k_pool, v_pool, rows.block_tables, rows.context_lens,

@@ -36,10 +36,48 @@ import threading
 
 import torch
 
-SOURCE = r"""#include <torch/extension.h>
+# The vector type every kernel here is written with: sixteen floats where the build has AVX-512, eight with
+# AVX2, else eight in the compiler's portable vectors (an Arm laptop). A kernel says ``vfma(a, b, c)`` once.
+VECTORS = r"""#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
-#include <algorithm>
+#endif
+
+#ifdef __AVX512F__
+using vec = __m512; constexpr int64_t W = 16;
+static inline vec vzero() { return _mm512_setzero_ps(); }
+static inline vec vset1(float a) { return _mm512_set1_ps(a); }
+static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float *p, vec a) { _mm512_storeu_ps(p, a); }
+static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+#elif defined(__AVX2__)
+using vec = __m256; constexpr int64_t W = 8;
+static inline vec vzero() { return _mm256_setzero_ps(); }
+static inline vec vset1(float a) { return _mm256_set1_ps(a); }
+static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float *p, vec a) { _mm256_storeu_ps(p, a); }
+static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_hadd_ps(s, s); s = _mm_hadd_ps(s, s); return _mm_cvtss_f32(s);
+}
+#else
+typedef float vec __attribute__((vector_size(32))); constexpr int64_t W = 8;
+static inline vec vzero() { return vec{}; }
+static inline vec vset1(float a) { return vec{} + a; }
+static inline vec vload(const float *p) { vec a; __builtin_memcpy(&a, p, sizeof a); return a; }
+static inline void vstore(float *p, vec a) { __builtin_memcpy(p, &a, sizeof a); }
+static inline vec vmul(vec a, vec b) { return a * b; }
+static inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
+static inline float vsum(vec a) { float s = 0.f; for (int i = 0; i < 8; ++i) s += a[i]; return s; }
+#endif
+"""
+
+SOURCE = VECTORS + r"""#include <algorithm>
 #include <vector>
 
 // q [T, H, D], k [T, Hkv, D] (any strides but the last), cos/sin [T, D] contiguous -> q, k rotated, contiguous.
@@ -70,22 +108,6 @@ std::vector<torch::Tensor> rope_qk(torch::Tensor q, torch::Tensor k, torch::Tens
   return {q_out, k_out};
 }
 
-#ifdef __AVX512F__
-using vec = __m512; constexpr int64_t W = 16;
-static inline vec vzero() { return _mm512_setzero_ps(); }
-static inline vec vload(const float *p) { return _mm512_loadu_ps(p); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
-#else
-using vec = __m256; constexpr int64_t W = 8;
-static inline vec vzero() { return _mm256_setzero_ps(); }
-static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float vsum(vec a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_hadd_ps(s, s); s = _mm_hadd_ps(s, s); return _mm_cvtss_f32(s);
-}
-#endif
 
 // x [M, K] (a few rows), weight [N, K] row-major, bias [N] or empty -> x @ weight.T + bias, [M, N].
 // Eight weight rows at a time, each streamed from memory once and dotted with every row of x.
@@ -139,6 +161,7 @@ def compile_cpu_extension(name: str, what: str, source: str, functions: list[str
                 _put_ninja_on_path()
                 cap = torch.backends.cpu.get_cpu_capability()  # one build per instruction set
                 vector = ["-mavx2", "-mfma"] if cap in ("AVX2", "AVX512") else []  # 16 % faster than SSE2 here
+                vector += ["-mavx512f"] if cap == "AVX512" else []  # VECTORS: sixteen floats wide
                 module = load_inline(f"labsupport_{name}_{cap.lower()}", cpp_sources=[source], functions=functions,
                                      extra_cflags=["-O3", "-fopenmp", *vector, *extra_cflags],
                                      extra_ldflags=["-fopenmp"], verbose=False)
@@ -162,12 +185,13 @@ def _put_ninja_on_path():
 def build() -> tuple[bool, str]:
     """Build the model's CPU kernels now, or say why they cannot be (then PyTorch's code runs)."""
     global _thin_rows
-    wide = ["-mavx512f"] if torch.backends.cpu.get_cpu_capability() == "AVX512" else []
     module, why_not = compile_cpu_extension("cpu_model_kernels", "the CPU model kernels (RoPE, thin products)",
                                             SOURCE, ["rope_qk", "thin_product", "vector_width"],
-                                            ["-ffp-contract=off", *wide])
+                                            ["-ffp-contract=off"])
     if module is not None:
-        _thin_rows = 3 if module.vector_width() == 16 else 2
+        # Measured on x86 only: elsewhere (the portable vectors) products keep PyTorch's path.
+        _thin_rows = {16: 3, 8: 2}[module.vector_width()] if torch.backends.cpu.get_cpu_capability() in (
+            "AVX2", "AVX512") else 0
     return module is not None, why_not
 
 
@@ -176,7 +200,8 @@ def _module():
 
 
 def thin_rows() -> int:
-    """Rows up to which ``thin_product`` beats oneDNN: 3 with AVX-512, 2 with AVX2 (measured, see above)."""
+    """Rows up to which ``thin_product`` beats oneDNN: 3 with AVX-512, 2 with AVX2 (measured, see above), none
+    elsewhere."""
     return _thin_rows if _module() is not None else 0
 
 
