@@ -1,5 +1,6 @@
 """The model's compiled CPU kernels (``models/cpu_kernels.py``): RoPE bit-identical to ``apply_rope``, thin
-products equal to ``x @ w.T + b`` to float32 rounding, and a whole engine giving the same tokens without them.
+and panel products equal to ``x @ w.T + b`` to float32 rounding, and a whole engine giving the same tokens
+without them.
 
 They need a C++ compiler; where none is found they are unavailable, these tests skip saying why, and
 the model keeps PyTorch's code (which every other test covers).
@@ -94,6 +95,53 @@ def test_thin_product_declines_what_it_cannot_do(built):
     torch.testing.assert_close(x.grad, w.sum(0)[None])
 
 
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (49152, 576), (64, 40)])
+def test_panel_product_equals_the_matrix_product(built, n, k):
+    """Whole tiles of rows and a short last one (12 rows a tile with AVX-512, 6 with AVX2), with and without a
+    bias, from panels of a row slice of a stacked matrix; float64 is the judge."""
+    torch.manual_seed(n + k)
+    stacked = torch.randn(n + 32, k) * 0.05
+    weight, bias = stacked[32:], torch.randn(n)
+    panels = cpu_kernels.pack_panels(weight)
+    assert panels.shape == (n // cpu_kernels.panel_width(), k, cpu_kernels.panel_width())
+    for rows in (4, 5, 12, 13, 31, cpu_kernels.PANEL_ROWS):
+        x = torch.randn(rows, k)
+        for b in (None, bias):
+            got = cpu_kernels.panel_product(x, panels, b)
+            want = x.double() @ weight.double().T + (0 if b is None else b.double())
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+def test_a_linear_takes_the_panels_while_they_are_its_weight(built):
+    """``pack_cpu_weights`` gives a whole-panel matrix panels (others oneDNN's layout); ``product`` reads them up
+    to ``PANEL_ROWS`` rows, takes oneDNN beyond, and the plain weight once it is rewritten or replaced."""
+    from labsupport.models import products
+    torch.manual_seed(0)
+    panelled, odd = products.Linear(48, 96, bias=True), products.Linear(48, 80, bias=False)
+    products.pack_cpu_weights(torch.nn.Sequential(panelled, odd), {})
+    assert panelled.packed[3] == "panels"
+    assert odd.packed is None or odd.packed[3] == "onednn"  # 80 rows are not whole panels of 32 (AVX-512)
+    with torch.inference_mode():
+        for rows in (4, 9, cpu_kernels.PANEL_ROWS, cpu_kernels.PANEL_ROWS + 1, 600):
+            x = torch.randn(rows, 48)
+            for m in (panelled, odd):
+                torch.testing.assert_close(m(x), torch.nn.functional.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+        x = torch.randn(7, 48)
+        assert torch.equal(panelled(x), cpu_kernels.panel_product(x, panelled.packed[0], panelled.bias))
+        panelled.weight.mul_(2)  # written in place: the panels are stale and must not be read
+        torch.testing.assert_close(panelled(x), torch.nn.functional.linear(x, panelled.weight, panelled.bias),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_panel_product_declines_what_it_cannot_do(built):
+    panels = cpu_kernels.pack_panels(torch.randn(64, 32))
+    assert cpu_kernels.pack_panels(torch.randn(40, 32)) is None  # 40 rows: not whole panels
+    assert cpu_kernels.pack_panels(torch.randn(64, 32).bfloat16()) is None
+    assert cpu_kernels.panel_product(torch.randn(cpu_kernels.PANEL_ROWS + 1, 32), panels, None) is None
+    assert cpu_kernels.panel_product(torch.randn(5, 24), panels, None) is None  # K does not match
+    assert cpu_kernels.panel_product(torch.randn(5, 32, requires_grad=True), panels, None) is None
+
+
 @pytest.mark.parametrize("rows, features", [(1, 576), (32, 64), (257, 960), (2048, 4096)])
 def test_rms_norm_in_float32_is_the_reference_bit_for_bit(rows, features):
     """``RMSNorm`` runs ``F.rms_norm`` in float32 on the CPU (one operator instead of six): it must give what
@@ -108,12 +156,12 @@ def test_rms_norm_in_float32_is_the_reference_bit_for_bit(rows, features):
 
 
 def test_an_engine_gives_the_same_tokens_without_the_kernel(built, llm, monkeypatch):
-    """Whole engine, prefill and decode at batch 1 and 3 (thin products) and 5 (oneDNN): the kernels change no
-    token, and logprobs only in float32's last places (the thin products sum in another order)."""
+    """Whole engine, prefill and decode at batch 1 and 3 (thin products), 5 and 10 (panels): the kernels change
+    no token, and logprobs only in float32's last places (they sum in another order than oneDNN)."""
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=2)
-    with_kernels = [llm.generate(PROMPTS[:b], params, use_tqdm=False) for b in (1, 3, 5)]
+    with_kernels = [llm.generate(PROMPTS[:b], params, use_tqdm=False) for b in (1, 3, 5, 10)]
     monkeypatch.setitem(cpu_kernels._built, "cpu_model_kernels", (None, "switched off by the test"))
-    without = [llm.generate(PROMPTS[:b], params, use_tqdm=False) for b in (1, 3, 5)]
+    without = [llm.generate(PROMPTS[:b], params, use_tqdm=False) for b in (1, 3, 5, 10)]
     for a, b in zip(sum(with_kernels, []), sum(without, [])):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs):

@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from ..models import cpu_kernels
-from ..models.llama import ModelConfig, _onednn_linear, product
+from ..models.llama import ModelConfig
+from ..models.products import pack_weight, product
 
 DECODE_BATCHES = (1, 4, 16, 32, 64)
 PREFILL_SHAPE = (2048, 576, 1536)  # M x K x N: a 2048-token prefill through a SmolLM2-sized MLP
@@ -102,11 +103,11 @@ def _bandwidth_seconds(min_time: float) -> tuple[float, float]:
 
 
 def _linear_seconds(x, w, min_time: float) -> float:
-    """Best time of ``x @ w.T``: ``F.linear``, or what our engine runs (``llama.product``: oneDNN on the packed
-    weight, or the C++ kernel for one to three rows, ``cpu_kernels.py``)."""
+    """Best time of ``x @ w.T``: ``F.linear``, or what our engine runs (``products.product``: the C++ kernels
+    for up to 128 rows, ``cpu_kernels.py``, oneDNN beyond, on the copy ``pack_cpu_weights`` would make)."""
     seconds = _best_seconds(lambda: F.linear(x, w), min_time)
-    if _onednn_linear is not None and x.dtype == torch.float32:  # packed as pack_cpu_weights packs it
-        packed = (torch.ops.mkldnn._reorder_linear_weight(w, 32), w.data_ptr(), w._version)
+    packed = pack_weight(w) if x.dtype == torch.float32 else None
+    if packed is not None:
         seconds = min(seconds, _best_seconds(lambda: product(x, w, None, packed), min_time))
     return seconds
 

@@ -142,12 +142,73 @@ torch::Tensor thin_product(torch::Tensor x, torch::Tensor weight, c10::optional<
   return out;
 }
 
+// Panels: weight [N, K] re-laid as [N / 2W][K][2W] (pack_panels), so the 2W outputs of a column block lie
+// side by side for every k. A tile of R rows of x against one panel keeps R x 2W sums in registers (R = 12
+// with AVX-512: 24 of its 32 registers), and each step of k broadcasts R numbers of x against two loads of
+// the panel: 2R multiply-adds per two loads, where a dot product makes one per load.
+constexpr int64_t MR = W == 16 ? 12 : 6;
+
+template <int R>
+static inline void panel_tile(const float *xt, int64_t K, const float *panel, const float *bias, float *out,
+                              int64_t N) {
+  vec acc[R][2];
+  for (int m = 0; m < R; ++m) { acc[m][0] = vzero(); acc[m][1] = vzero(); }
+  for (int64_t k = 0; k < K; ++k) {
+    const vec w0 = vload(panel + k * 2 * W), w1 = vload(panel + k * 2 * W + W);
+    for (int m = 0; m < R; ++m) {
+      const vec xv = vset1(xt[k * R + m]);
+      acc[m][0] = vfma(xv, w0, acc[m][0]);
+      acc[m][1] = vfma(xv, w1, acc[m][1]);
+    }
+  }
+  for (int m = 0; m < R; ++m) {
+    if (bias) { acc[m][0] = acc[m][0] + vload(bias); acc[m][1] = acc[m][1] + vload(bias + W); }
+    vstore(out + m * N, acc[m][0]); vstore(out + m * N + W, acc[m][1]);
+  }
+}
+
+template <int R>
+static void panel_rows(int64_t rows, const float *xt, int64_t K, const float *panel, const float *bias,
+                       float *out, int64_t N) {  // the last tile of x may have fewer than MR rows
+  if constexpr (R == 1) panel_tile<1>(xt, K, panel, bias, out, N);
+  else if (rows == R) panel_tile<R>(xt, K, panel, bias, out, N);
+  else panel_rows<R - 1>(rows, xt, K, panel, bias, out, N);
+}
+
+// x [M, K] contiguous, panels [N / 2W, K, 2W], bias [N] or empty -> x @ weight.T + bias, [M, N].
+torch::Tensor panel_product(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias) {
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), N = P * 2 * W;
+  TORCH_CHECK(x.is_contiguous() && panels.is_contiguous() && panels.size(1) == K && panels.size(2) == 2 * W,
+              "panel_product: unexpected inputs");
+  auto out = torch::empty({M, N}, x.options());
+  const float *xp = x.data_ptr<float>(), *pp = panels.data_ptr<float>();
+  const float *bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float *op = out.data_ptr<float>();
+  const int64_t tiles = (M + MR - 1) / MR;
+  std::vector<float> xt(tiles * MR * K);  // x in tiles of MR rows, each transposed: the R numbers of a k together
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t rows = std::min<int64_t>(MR, M - t * MR);
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t k = 0; k < K; ++k) xt[t * MR * K + k * rows + m] = xp[(t * MR + m) * K + k];
+  }
+  constexpr int64_t ROW_TILES = 8;  // rows in blocks of 8 tiles: x's block stays in cache across the panels
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t0 = 0; t0 < tiles; t0 += ROW_TILES)
+      for (int64_t j = begin; j < end; ++j)
+        for (int64_t t = t0; t < std::min(tiles, t0 + ROW_TILES); ++t)
+          panel_rows<MR>(std::min<int64_t>(MR, M - t * MR), xt.data() + t * MR * K, K, pp + j * K * 2 * W,
+                         bp ? bp + j * 2 * W : nullptr, op + t * MR * N + j * 2 * W, N);
+  });
+  return out;
+}
+
 int64_t vector_width() { return W; }
 """
 
 _lock = threading.Lock()
 _built: dict[str, tuple[object, str]] = {}  # name -> (module or None, why not)
 _thin_rows = 0  # set by build(): rows up to which thin_product beats oneDNN with this build's vectors
+PANEL_ROWS = 128  # rows up to which panel_product beats oneDNN on the plain weight (measured, see above)
 
 
 def compile_cpu_extension(name: str, what: str, source: str, functions: list[str],
@@ -185,8 +246,8 @@ def _put_ninja_on_path():
 def build() -> tuple[bool, str]:
     """Build the model's CPU kernels now, or say why they cannot be (then PyTorch's code runs)."""
     global _thin_rows
-    module, why_not = compile_cpu_extension("cpu_model_kernels", "the CPU model kernels (RoPE, thin products)",
-                                            SOURCE, ["rope_qk", "thin_product", "vector_width"],
+    module, why_not = compile_cpu_extension("cpu_model_kernels", "the CPU model kernels (RoPE, products)",
+                                            SOURCE, ["rope_qk", "thin_product", "panel_product", "vector_width"],
                                             ["-ffp-contract=off"])
     if module is not None:
         # Measured on x86 only: elsewhere (the portable vectors) products keep PyTorch's path.
@@ -227,3 +288,31 @@ def cpu_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
             or cos.dtype != torch.float32 or q.stride(-1) != 1 or k.stride(-1) != 1 or q.requires_grad or k.requires_grad):
         return None
     return module.rope_qk(q, k, cos.contiguous(), sin.contiguous())
+
+
+def panel_width() -> int:
+    """Columns of a panel in this build (``2 * vector width``: 32 with AVX-512, 16 with AVX2), 0 where the
+    kernels are not built or not measured (products then keep oneDNN's packed copies)."""
+    module = _module()
+    return 2 * module.vector_width() if module is not None and thin_rows() else 0
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` [N, K] as panels [N / width, K, width] for ``panel_product``, or None where it cannot be."""
+    width = panel_width()
+    if not width or weight.dim() != 2 or weight.shape[0] % width or weight.dtype != torch.float32:
+        return None
+    n, k = weight.shape
+    return weight.detach().reshape(n // width, width, k).transpose(1, 2).contiguous()
+
+
+def panel_product(x: torch.Tensor, panels: torch.Tensor, bias):
+    """``x @ weight.T + bias`` from the weight's panels, or None where this kernel does not apply: not built,
+    more rows than ``PANEL_ROWS``, not float32, or autograd watching."""
+    module = _module()
+    if (module is None or x.dim() != 2 or not 0 < x.shape[0] <= PANEL_ROWS or x.dtype != torch.float32
+            or x.device.type != "cpu" or x.shape[1] != panels.shape[1] or panels.shape[2] != panel_width()
+            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))
+            or (torch.is_grad_enabled() and x.requires_grad)):
+        return None
+    return module.panel_product(x.contiguous(), panels, bias)

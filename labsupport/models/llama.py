@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import math
-import platform
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_kernels
+from .products import Linear, _onednn_linear, pack_cpu_weights, product  # noqa: F401 (the model's products)
 
 
 @dataclass
@@ -127,15 +127,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-# oneDNN's fp32 matmul, where this torch build has it (x86 CPUs). Measured on a 2-core EPYC (AVX2),
-# both threads: on the 49152-wide LM head of a decode step about 1.7x faster than the default BLAS
-# path (7.7 vs 13 ms at 1 row, 26 vs 49 ms at 32 rows); over a whole decode step 4-8 % faster.
-# Only where it was measured: x86 (an Arm laptop keeps F.linear).
-_onednn_linear = (getattr(torch.ops.mkldnn, "_linear_pointwise", None)
-                  if torch.backends.mkldnn.is_available() and platform.machine().lower() in ("x86_64", "amd64") else None)
-SMALL_M = 64  # rows up to which a CPU product takes the oneDNN path (chapter 09's roofline explains why)
-
-
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """``apply_rope`` to q and k; on a GPU one Triton kernel does both (``fused_kernels.py``), on a CPU one C++
     loop once the engine has built it (``cpu_kernels.py``: bit-identical, a millisecond off a decode step)."""
@@ -149,36 +140,6 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 def _gpu_kernels():
     from . import fused_kernels  # imports triton only on a GPU, and only if it is installed
     return fused_kernels if fused_kernels.triton is not None else None
-
-
-def product(x: torch.Tensor, weight: torch.Tensor, bias, packed=None) -> torch.Tensor:
-    """``x @ weight.T + bias``, with the faster paths for fp32 on a CPU: one to three rows streamed by the C++
-    kernel of ``cpu_kernels.py`` where it is built; on x86 oneDNN on the copy of the weight packed in its own
-    layout (``pack_cpu_weights``) while it is still the weight's, else oneDNN on the plain weight for
-    decode-sized batches. GPUs and other dtypes take the ordinary ``F.linear``."""
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return F.linear(x, weight, bias)  # autograd watching: oneDNN's product and ours have no backward
-    if x.device.type == "cpu" and x.dtype == torch.float32:
-        streamed = cpu_kernels.thin_product(x, weight, bias)  # 1-3 rows: the C++ kernel, if built
-        if streamed is not None:
-            return streamed
-    if packed is not None and x.device.type == "cpu" and x.dtype == torch.float32:
-        copy, ptr, version = packed
-        if weight.data_ptr() == ptr and weight._version == version:  # not rewritten since it was packed
-            return _onednn_linear(x, copy, bias, "none", [], "")
-    if (_onednn_linear is not None and x.device.type == "cpu" and x.dtype == torch.float32
-            and x.dim() == 2 and x.shape[0] <= SMALL_M):
-        return _onednn_linear(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` (same weights, same names) whose product is ``product``: packed on an x86 CPU."""
-
-    packed = None  # (oneDNN-packed weight, data_ptr and version of the weight it was packed from)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return product(x, self.weight, self.bias, self.packed)
 
 
 class RMSNorm(nn.Module):
@@ -213,7 +174,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.qkv = None  # (weight, bias) of q, k, v stacked, if fuse_projections made them
-        self.qkv_packed = None  # its oneDNN-packed copy on an x86 CPU (pack_cpu_weights)
+        self.qkv_packed = None  # its packed copy on the CPU (products.pack_cpu_weights)
 
     def forward(self, x, cos, sin, backend, batch):
         t, d = x.shape[0], self.cfg.head_dim
@@ -239,7 +200,7 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up = None  # gate and up stacked, if fuse_projections made it
-        self.gate_up_packed = None  # its oneDNN-packed copy on an x86 CPU (pack_cpu_weights)
+        self.gate_up_packed = None  # its packed copy on the CPU (products.pack_cpu_weights)
 
     def forward(self, x):
         if stacked_current((self.gate_up, None), self.gate_proj, self.up_proj):
@@ -248,37 +209,6 @@ class MLP(nn.Module):
             gate, up = product(x, self.gate_up, None, self.gate_up_packed).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def pack_cpu_weights(model: nn.Module, cache: dict):
-    """Give every fp32 product on the CPU a copy of its weight in oneDNN's blocked layout.
-
-    A plain [out, in] matrix makes oneDNN re-lay the weight as it goes; packed once, a product
-    streams it in the order its kernel reads. Measured on a 2-core EPYC (AVX2), both threads, against
-    the plain-weight oneDNN path: SmolLM2's MLP products 1.5-1.8x faster at 4 rows (memory-bound),
-    10-30 % at 32 rows, and no slower at prefill sizes (2048 rows), so every product uses it. The
-    copy costs the matrices' size again (about 0.6 GB for SmolLM2-135M), once per process: ``cache``
-    is kept by the shared weights (``loader.shared_weights``), so every engine of the model uses the
-    same packed copies. Matrices stacked by ``fuse_projections`` are packed as the stack. A weight
-    written or replaced afterwards is noticed (its version or address changes) and its product goes
-    back to the plain path."""
-    if _onednn_linear is None:
-        return
-
-    def packed(key, w):
-        if w.device.type != "cpu" or w.dtype != torch.float32:
-            return None
-        if key not in cache:
-            cache[key] = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 32)
-        return cache[key], w.data_ptr(), w._version
-
-    for name, m in model.named_modules():
-        if isinstance(m, Linear) and getattr(m.weight, "_stacked", None) is None:  # a stacked one: read as the stack
-            m.packed = packed(name, m.weight)
-        elif isinstance(m, Attention) and m.qkv is not None:
-            m.qkv_packed = packed(name + ".qkv", m.qkv[0])
-        elif isinstance(m, MLP) and m.gate_up is not None:
-            m.gate_up_packed = packed(name + ".gate_up", m.gate_up)
 
 
 def stacked_current(stacked, *linears) -> bool:
@@ -294,7 +224,7 @@ def fuse_projections(model: nn.Module):
     A decode step's products are thin (a few rows against a wide matrix): each is bound by reading
     its weights, and small ones (k and v of a GQA model) read them far below the memory bandwidth.
     One stacked product reads them at full speed: on an H200, 6 % off an 8B decode step; on a 2-core
-    EPYC, packed (``pack_cpu_weights``), 5-15 % off a layer's products at 1-32 rows. The separate
+    EPYC, packed (``products.pack_cpu_weights``), 5-15 % off a layer's products at 1-32 rows. The separate
     parameters become *views* of the stacked matrix, so the memory is not doubled and the weight names
     stay Hugging Face's. Weights shared between engines (``loader.shared_weights``) stack once, in the
     shared copy."""

@@ -127,7 +127,7 @@ class SharedWeights(dict):
     """A checkpoint's tensors on one device in one dtype, loaded once per process and shared, read-only,
     by every model ``load_model`` builds from them. Each model keeps it alive (``model.shared_weights``);
     when the last one is gone, so are the tensors, and so is the entry of ``_WEIGHTS``. ``packed``
-    holds the CPU's oneDNN-packed copies of the matrices (``llama.pack_cpu_weights``)."""
+    holds the CPU's packed copies of the matrices (``products.pack_cpu_weights``)."""
 
     def __init__(self):
         super().__init__()
@@ -202,7 +202,7 @@ def load_model(model=None, device="auto", dtype="auto"):
     # stacked q/k/v and gate/up; the shared copy keeps the views, so it stacks once
     fuse_projections(net)
     state.update((k, v) for k, v in net.state_dict(keep_vars=True).items() if k in state)
-    if device.type == "cpu":  # oneDNN-packed copies, made once and kept with the shared weights
+    if device.type == "cpu":  # packed copies (panels or oneDNN's), made once and kept with the shared weights
         pack_cpu_weights(net, state.packed)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return net.eval(), tokenizer, folder

@@ -1,0 +1,116 @@
+"""How the model's products ``x @ weight.T + bias`` run: which path for which device, rows and layout.
+
+Almost all of a forward pass is these products (121 of them in a SmolLM2 step), and on a CPU in float32
+the fastest path depends on how many rows ``x`` has, measured on the 2-core course machine (Zen 5,
+AVX-512), the model's products one after another, both threads:
+
+* **1-3 rows** (a decode step of one to three sequences): the C++ kernel that streams each weight row
+  once (``cpu_kernels.thin_product``), reading the plain weight.
+* **4-128 rows** (decode steps of a batch, short chunks): the C++ panel kernel (``cpu_kernels.panel_product``)
+  on a copy of the weight re-laid as panels, made once when the model loads (``pack_cpu_weights``). It
+  keeps a 12 x 32 block of sums in registers. Against oneDNN's own packed copy, in one process, old and new
+  alternating, whole decode steps: batch 8 24.9 vs 31.6 ms, 40 63.6 vs 68.7, 48 77.5 vs 99.3 (median
+  of 60 steps; oneDNN packs for 32 rows, and at 33-64 it does the work of 64).
+* **More rows** (prefill): oneDNN on the plain weight, at 350-400 GFLOP/s from 512 rows, within 2-4 %
+  of its packed copy there and twice as fast as ``F.linear`` with this torch build.
+
+Where the C++ kernels are not built (no compiler) or a weight's rows are not a whole number of panels,
+the copy is oneDNN's packed layout instead, used at every size, as before the panels. Autograd, GPUs and
+other dtypes take ``F.linear``. Every path sums in its own order: tokens are checked against transformers
+as for any product (``tests/test_cpu_kernels.py``, ``tests/test_parity.py``).
+"""
+from __future__ import annotations
+
+import platform
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import cpu_kernels
+
+# oneDNN's fp32 matmul, where this torch build has it (x86 CPUs). Measured on a 2-core EPYC (AVX2),
+# both threads: on the 49152-wide LM head of a decode step about 1.7x faster than the default BLAS
+# path (7.7 vs 13 ms at 1 row, 26 vs 49 ms at 32 rows); over a whole decode step 4-8 % faster.
+# Only where it was measured: x86 (an Arm laptop keeps F.linear).
+_onednn_linear = (getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+                  if torch.backends.mkldnn.is_available() and platform.machine().lower() in ("x86_64", "amd64") else None)
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, bias, packed=None) -> torch.Tensor:
+    """``x @ weight.T + bias`` by the path above for its rows; ``packed`` is ``pack_weight``'s copy, used
+    while it is still the weight's (not written or replaced since)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return F.linear(x, weight, bias)  # autograd watching: oneDNN's product and ours have no backward
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return F.linear(x, weight, bias)
+    streamed = cpu_kernels.thin_product(x, weight, bias)  # 1-3 rows: the C++ kernel, if built
+    if streamed is not None:
+        return streamed
+    if packed is not None:
+        copy, ptr, version, layout = packed
+        if weight.data_ptr() == ptr and weight._version == version:
+            if layout == "onednn":
+                return _onednn_linear(x, copy, bias, "none", [], "")
+            blocked = cpu_kernels.panel_product(x, copy, bias)  # None past PANEL_ROWS rows, or not built
+            if blocked is not None:
+                return blocked
+    if _onednn_linear is not None and x.dim() == 2:
+        return _onednn_linear(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same weights, same names) whose product is ``product``: packed on an x86 CPU."""
+
+    packed = None  # pack_weight's (copy, data_ptr and version of the weight it was made from, layout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return product(x, self.weight, self.bias, self.packed)
+
+
+def packed_copy(weight: torch.Tensor):
+    """(copy, layout) of a float32 CPU weight for ``product``: panels where the C++ kernels are built and the
+    rows fill whole panels, else oneDNN's packed layout on x86; None elsewhere."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return None
+    panels = cpu_kernels.pack_panels(weight)
+    if panels is not None:
+        return panels, "panels"
+    if _onednn_linear is not None:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32), "onednn"
+    return None
+
+
+def pack_weight(weight: torch.Tensor, copy=None):
+    """``product``'s ``packed`` argument for ``weight``: its copy (made now unless given) and what identifies
+    the weight it was made from."""
+    copy = copy or packed_copy(weight)
+    return None if copy is None else (copy[0], weight.data_ptr(), weight._version, copy[1])
+
+
+def pack_cpu_weights(model: nn.Module, cache: dict):
+    """Give every fp32 product on the CPU a copy of its weight in the layout its fast path reads.
+
+    A plain [out, in] matrix makes a blocked product re-lay the weight as it goes; packed once, a product
+    streams it in the order its kernel reads (oneDNN's packed copy was 1.5-1.8x faster than its plain-weight
+    path at 4 rows on the AVX2 machine). The copy costs the matrices' size again (about 0.54 GB for
+    SmolLM2-135M), once per process: ``cache`` is kept by the shared weights (``loader.shared_weights``), so
+    every engine of the model uses the same copies. Matrices stacked by ``fuse_projections`` are packed as
+    the stack. A weight written or replaced afterwards is noticed (its version or address changes) and its
+    product goes back to the plain path. The layout is chosen by what is built now: the engine builds the
+    C++ kernels before it loads the model."""
+    from .llama import MLP, Attention  # the model's modules; llama imports this file
+
+    def packed(key, w):
+        if key not in cache:
+            cache[key] = packed_copy(w)
+        return pack_weight(w, cache[key])
+
+    for name, m in model.named_modules():
+        if isinstance(m, Linear) and getattr(m.weight, "_stacked", None) is None:  # a stacked one: read as the stack
+            m.packed = packed(name, m.weight)
+        elif isinstance(m, Attention) and m.qkv is not None:
+            m.qkv_packed = packed(name + ".qkv", m.qkv[0])
+        elif isinstance(m, MLP) and m.gate_up is not None:
+            m.gate_up_packed = packed(name + ".gate_up", m.gate_up)
