@@ -167,3 +167,41 @@ def test_an_engine_gives_the_same_tokens_without_the_kernel(built, llm, monkeypa
         for la, lb in zip(a.logprobs, b.logprobs):
             assert la.keys() == lb.keys()
             assert all(abs(la[t] - lb[t]) < 1e-3 for t in la)
+
+
+@pytest.mark.parametrize("vectors", ["avx2", "portable"])
+def test_the_other_instruction_sets_compute_the_same(built, vectors):
+    """This machine builds the AVX-512 kernels; a laptop builds AVX2 (6 x 16 panels, 8-wide vectors) or, on Arm,
+    the compiler's portable vectors. Both are built here from the same sources and checked like the default."""
+    import platform
+    from torch.utils.cpp_extension import load_inline
+    from labsupport.engine import cpu_attention
+    from labsupport.engine.paged_attention import paged_decode_attention
+    from labsupport.bench.gpu_check import random_decode_case
+    if vectors == "avx2" and platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("AVX2 is x86's")
+    flags = ["-O3", "-fopenmp"] + (["-mavx2", "-mfma"] if vectors == "avx2" else [])
+    model = load_inline(f"labsupport_test_model_{vectors}", cpp_sources=[cpu_kernels.SOURCE],
+                        functions=["thin_product", "panel_product", "vector_width"],
+                        extra_cflags=flags + ["-ffp-contract=off"], extra_ldflags=["-fopenmp"])
+    decode = load_inline(f"labsupport_test_decode_{vectors}", cpp_sources=[cpu_attention.SOURCE],
+                         functions=["paged_decode"], extra_cflags=flags, extra_ldflags=["-fopenmp"])
+    width = 2 * model.vector_width()
+    assert width == 16
+    torch.manual_seed(1)
+    for n, k in [(960, 576), (576, 1536), (64, 40)]:
+        weight, bias = torch.randn(n, k) * 0.05, torch.randn(n)
+        panels = weight.reshape(n // width, width, k).transpose(1, 2).contiguous()
+        for rows in (1, 2, 5, 6, 7, 13, 128):
+            x = torch.randn(rows, k)
+            want = x.double() @ weight.double().T + bias.double()
+            torch.testing.assert_close(model.panel_product(x, panels, bias).double(), want, rtol=1e-5,
+                                       atol=1e-5 * k ** 0.5)
+            if rows <= 2 and k % 16 == 0:
+                torch.testing.assert_close(model.thin_product(x, weight, bias).double(), want, rtol=1e-5,
+                                           atol=1e-5 * k ** 0.5)
+    for heads, kv_heads, head_dim, block_size in [(9, 3, 64, 16), (32, 8, 128, 16), (4, 4, 32, 4)]:
+        q, k, v, rows = random_decode_case([1, block_size + 1, 3 * block_size + 5, 300], heads, kv_heads, head_dim,
+                                           block_size, torch.float32)
+        got = decode.paged_decode(q, k, v, rows.block_tables, rows.context_lens, block_size, head_dim ** -0.5)
+        torch.testing.assert_close(got, paged_decode_attention(q, k, v, rows, block_size), atol=1e-5, rtol=1e-5)
