@@ -11,8 +11,10 @@ AVX-512), the model's products one after another, both threads:
   keeps a 12 x 32 block of sums in registers. Against oneDNN's own packed copy, in one process, old and new
   alternating, whole decode steps: batch 8 24.9 vs 31.6 ms, 40 63.6 vs 68.7, 48 77.5 vs 99.3 (median
   of 60 steps; oneDNN packs for 32 rows, and at 33-64 it does the work of 64).
-* **More rows** (prefill): oneDNN on the plain weight, at 350-400 GFLOP/s from 512 rows, within 2-4 %
-  of its packed copy there and twice as fast as ``F.linear`` with this torch build.
+* **More rows** (prefill): oneDNN on the plain weight, twice as fast as ``F.linear`` with this torch
+  build. Its packed copy is 0-8 % faster at 512-2048 rows and 5-30 % at 6400 in the products alone (noisy),
+  but whole W1 and WV runs with that copy kept beside the panels moved by less than the machine's noise,
+  so the panels take its place rather than 0.54 GB more.
 
 Where the C++ kernels are not built (no compiler) or a weight's rows are not a whole number of panels,
 the copy is oneDNN's packed layout instead, used at every size, as before the panels. Autograd, GPUs and
