@@ -12,7 +12,7 @@ import torch
 from labsupport import LLM, SamplingParams
 from labsupport.engine import build
 from labsupport.engine.config import EngineConfig, gpu_kv_cache_bytes
-from labsupport.models import llama, loader
+from labsupport.models import llama, loader, products
 
 GiB = 2**30
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -228,7 +228,7 @@ def test_shared_weights_go_with_the_last_engine_and_a_rewritten_checkpoint_reloa
     assert d.engine.model.shared_weights is not c.engine.model.shared_weights  # new checkpoint, new weights
 
 
-needs_onednn = pytest.mark.skipif(llama._onednn_linear is None, reason="oneDNN packing is used on x86 CPUs only")
+needs_onednn = pytest.mark.skipif(products._onednn_linear is None, reason="oneDNN packing is used on x86 CPUs only")
 
 
 @needs_onednn
@@ -243,8 +243,8 @@ def test_engines_of_one_model_share_its_packed_cpu_weights(tiny_folder):
 @needs_onednn
 def test_a_packed_linear_equals_the_plain_one_and_notices_a_rewritten_weight():
     torch.manual_seed(0)
-    m = llama.Linear(48, 80, bias=True)
-    llama.pack_cpu_weights(torch.nn.Sequential(m), {})
+    m = products.Linear(48, 80, bias=True)
+    products.pack_cpu_weights(torch.nn.Sequential(m), {})
     for rows in (1, 5, 70, 300):  # decode- and prefill-sized
         x = torch.randn(rows, 48)
         torch.testing.assert_close(m(x), torch.nn.functional.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..models import cpu_kernels
 from ..models.llama import ModelConfig
-from ..models.products import pack_weight, product
+from ..models.products import pack_weight, packed_copy, product
 
 DECODE_BATCHES = (1, 4, 16, 32, 64)
 PREFILL_SHAPE = (2048, 576, 1536)  # M x K x N: a 2048-token prefill through a SmolLM2-sized MLP
@@ -106,7 +106,7 @@ def _linear_seconds(x, w, min_time: float) -> float:
     """Best time of ``x @ w.T``: ``F.linear``, or what our engine runs (``products.product``: the C++ kernels
     for up to 128 rows, ``cpu_kernels.py``, oneDNN beyond, on the copy ``pack_cpu_weights`` would make)."""
     seconds = _best_seconds(lambda: F.linear(x, w), min_time)
-    packed = pack_weight(w) if x.dtype == torch.float32 else None
+    packed = pack_weight(w, packed_copy(w))
     if packed is not None:
         seconds = min(seconds, _best_seconds(lambda: product(x, w, None, packed), min_time))
     return seconds

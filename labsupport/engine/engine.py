@@ -37,7 +37,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":  # activations reuse their pages instead of faulting fresh ones in each step
             cpu_memory.keep_freed_memory()
-            cpu_kernels.build()  # RoPE and thin products in C++ (models/cpu_kernels.py); else PyTorch's
+            cpu_kernels.build()  # RoPE and products in C++ (models/cpu_kernels.py); else PyTorch's
         self.model, self.tokenizer, self.model_path = load_model(config.model, self.device, config.dtype)
         self.quantization_report = None  # chapter 09: weights quantized before memory is sized and graphs captured
         if config.quantization is not None:

