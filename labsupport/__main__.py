@@ -90,7 +90,7 @@ def main(argv=None):
             from .models import cpu_kernels
             print("building the CPU kernels (once per machine, about a minute) ...", flush=True)
             built, why_not = cpu_attention.available()
-            print("CPU decode kernel: built" if built else f"{why_not}; engines will keep the PyTorch gather")
+            print("CPU attention kernels: built" if built else f"{why_not}; engines will keep the PyTorch gather")
             built, why_not = cpu_kernels.build()
             print("CPU model kernels: built" if built else f"{why_not}; the model keeps PyTorch's code")
         return 0

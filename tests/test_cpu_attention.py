@@ -1,16 +1,20 @@
-"""The CPU's compiled decode-attention kernel (``engine/cpu_attention.py``) against the PyTorch gather.
+"""The CPU's compiled attention kernels (``engine/cpu_attention.py``: decode; ``cpu_prefill.py``: prefill) against
+the PyTorch paths (the decode rows' gather, the prompts' one-at-a-time flash attention).
 
 It needs a C++ compiler; where none is found the kernel is unavailable and these tests skip,
 saying why (the engine then keeps the PyTorch path, which every other test covers). Tolerance:
 fp32 in both, only the summation order differs.
 """
+import random
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from labsupport import LLM, SamplingParams
 from labsupport.bench.gpu_check import random_decode_case as random_case
 from labsupport.engine import cpu_attention
-from labsupport.engine.paged_attention import paged_decode_attention
+from labsupport.engine.paged_attention import PagedAttention, paged_decode_attention
 
 from conftest import PROMPTS
 
@@ -59,6 +63,7 @@ def test_engine_with_the_kernel_gives_the_same_tokens_and_frees_every_block(kern
     gather = LLM(model=llm.engine.model_path, device="cpu", num_blocks=64, cpu_decode_kernel=False)
     try:
         assert gather.engine.backend.decode_attention is paged_decode_attention
+        assert gather.engine.backend.prefill_kernel is None
         want = [o.token_ids for o in gather.generate(prompts, params, use_tqdm=False)]
     finally:
         gather.shutdown()
@@ -66,6 +71,7 @@ def test_engine_with_the_kernel_gives_the_same_tokens_and_frees_every_block(kern
                enable_chunked_prefill=True, max_num_batched_tokens=32, enable_prefix_caching=True)
     try:
         assert fast.engine.backend.decode_attention is kernel
+        assert fast.engine.backend.prefill_kernel is cpu_attention.cpu_prefill_attention
         for _ in range(2):  # the second time the prompts hit the prefix cache
             assert [o.token_ids for o in fast.generate(prompts, params, use_tqdm=False)] == want
         assert fast.engine.kv.allocator.num_free == fast.engine.kv.num_blocks  # cached blocks count as free
@@ -109,3 +115,59 @@ def test_peaked_and_flat_softmax(kernel):
 def test_head_sizes_off_the_vector_width_take_the_gather(kernel):
     q, k, v, rows = random_case([5, 21], 4, 2, 24, 16, torch.float32, seed=6)
     assert torch.equal(kernel(q, k, v, rows, 16), paged_decode_attention(q, k, v, rows, 16))
+
+
+def mixed_step(heads, kv_heads, head_dim, block_size, seed=0, dtype=torch.float32):
+    """A backend with shuffled block tables and one step's worth of rows: fresh prompts (2 tokens, one short of a
+    block, a block, several blocks and some), a chunk after 37 cached tokens, a chunk after exactly two blocks,
+    and two decode rows; random q/k/v for the step's tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    new = [2, max(block_size - 1, 2), block_size, 3 * block_size + 5, 70, 9, block_size + 3, 1, 1]
+    cached = [0, 0, 0, 0, 0, 37, 2 * block_size, 20, 3 * block_size]
+    need = [-(-(n + c) // block_size) for n, c in zip(new, cached)]
+    blocks = list(range(sum(need) + 3))
+    random.Random(seed).shuffle(blocks)
+    backend = PagedAttention(1, len(blocks), block_size, kv_heads, head_dim, dtype, "cpu", cpu_kernel=True)
+    for pool in (backend.k_pool[0], backend.v_pool[0]):  # what earlier steps left: the cached tokens' K/V
+        pool.copy_(torch.randn(pool.shape, generator=gen))
+    requests, at = [], 0
+    for i, (n, c, b) in enumerate(zip(new, cached, need)):
+        requests.append(SimpleNamespace(request_id=f"r{i}", block_table=blocks[at:at + b], num_computed_tokens=c))
+        at += b
+    t = sum(new)
+    q, k, v = (torch.randn(t, h, head_dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
+    return backend, requests, new, q, k, v
+
+
+def step_output(backend, requests, new, q, k, v, kernel: bool):
+    saved = backend.prefill_kernel
+    backend.prefill_kernel = saved if kernel else None
+    try:
+        return backend.attend(0, q, k, v, backend.prepare(requests, new))
+    finally:
+        backend.prefill_kernel = saved
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", SHAPES)
+@pytest.mark.parametrize("spread", [1.0, 40.0, 0.0])
+def test_prefill_kernel_equals_one_sequence_at_a_time(kernel, heads, kv_heads, head_dim, block_size, spread):
+    """Every prefill row of a mixed step, fresh prompts and chunks after a cached context, read in place in one
+    call, against PyTorch's flash attention one sequence at a time (the chunks' contexts gathered), both measured
+    from the same step in float64; the decode rows beside them are untouched. Scores far apart (most weights
+    underflow, and fp32's rounding of scores in the hundreds shows in both) and all equal too."""
+    backend, requests, new, q, k, v = mixed_step(heads, kv_heads, head_dim, block_size)
+    assert backend.prefill_kernel is cpu_attention.cpu_prefill_attention
+    got = step_output(backend, requests, new, q * spread, k, v, kernel=True)
+    one_by_one = step_output(backend, requests, new, q * spread, k, v, kernel=False)
+    exact = step_output(*mixed_step(heads, kv_heads, head_dim, block_size, dtype=torch.float64)[:3],
+                        (q * spread).double(), k.double(), v.double(), kernel=False)
+    error = lambda out: (out.double() - exact).abs().max().item()
+    assert error(got) <= 2 * error(one_by_one) + 1e-5, (error(got), error(one_by_one))
+
+
+def test_prefill_kernel_only_for_float32_whole_vectors(kernel):
+    """bf16 pools and heads of 24 floats keep the per-sequence path, which answers as before."""
+    assert mixed_step(9, 3, 64, 16, dtype=torch.bfloat16)[0].prefill_kernel is None
+    backend, requests, new, q, k, v = mixed_step(4, 2, 24, 16)
+    assert backend.prefill_kernel is None
+    assert step_output(backend, requests, new, q, k, v, kernel=True).isfinite().all()

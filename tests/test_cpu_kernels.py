@@ -184,8 +184,9 @@ def test_the_other_instruction_sets_compute_the_same(built, vectors):
     model = load_inline(f"labsupport_test_model_{vectors}", cpp_sources=[cpu_kernels.SOURCE],
                         functions=["thin_product", "panel_product", "vector_width"],
                         extra_cflags=flags + ["-ffp-contract=off"], extra_ldflags=["-fopenmp"])
-    decode = load_inline(f"labsupport_test_decode_{vectors}", cpp_sources=[cpu_attention.SOURCE],
-                         functions=["paged_decode"], extra_cflags=flags, extra_ldflags=["-fopenmp"])
+    from labsupport.engine.cpu_prefill import PREFILL_SOURCE
+    decode = load_inline(f"labsupport_test_attention_{vectors}", cpp_sources=[cpu_attention.SOURCE + PREFILL_SOURCE],
+                         functions=["paged_decode", "paged_prefill"], extra_cflags=flags, extra_ldflags=["-fopenmp"])
     width = 2 * model.vector_width()
     assert width == 16
     torch.manual_seed(1)
@@ -205,3 +206,10 @@ def test_the_other_instruction_sets_compute_the_same(built, vectors):
                                            block_size, torch.float32)
         got = decode.paged_decode(q, k, v, rows.block_tables, rows.context_lens, block_size, head_dim ** -0.5)
         torch.testing.assert_close(got, paged_decode_attention(q, k, v, rows, block_size), atol=1e-5, rtol=1e-5)
+        # the prefill kernel, on a mixed step (test_cpu_attention.py), against the one-sequence-at-a-time path
+        from test_cpu_attention import mixed_step, step_output
+        backend, requests, new, q, k, v = mixed_step(heads, kv_heads, head_dim, block_size)
+        backend.prefill_kernel = lambda q, kp, vp, s, bs, out: decode.paged_prefill(
+            q, kp, vp, s.block_tables, s.starts, s.query_lens, s.context_lens, bs, head_dim ** -0.5, out)
+        torch.testing.assert_close(step_output(backend, requests, new, q, k, v, kernel=True),
+                                   step_output(backend, requests, new, q, k, v, kernel=False), atol=2e-5, rtol=1e-5)

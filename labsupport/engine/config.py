@@ -53,7 +53,8 @@ class EngineConfig:
     kv_transfer_config: dict | None = None  # chapter 07: a KV connector, as vLLM's --kv-transfer-config
     speculative_config: dict | None = None  # chapter 09: {"method": "ngram"|"draft_model", ...}, as vLLM's
     quantization: str | None = None  # chapter 09: weight-only "int8" (per channel) or "int4" (groups of 32)
-    cpu_decode_kernel: bool = True  # CPU, paged: decode attention in a compiled C++ kernel (engine/cpu_attention.py)
+    cpu_decode_kernel: bool = True  # CPU, paged: attention read in place by compiled C++ kernels, the decode
+    # rows' (engine/cpu_attention.py) and, in float32, the prefills' (engine/cpu_prefill.py)
 
     def __post_init__(self):
         if self.kv_cache not in ("paged", "contiguous", "none"):

@@ -24,10 +24,14 @@ memory token by token. Measured on the Zen 5 machine, batch 32, contexts of 100-
 pools cold, old and new alternating: 0.41-0.46 ms per layer against 0.65-0.73 (AVX2 build: 0.56), with
 the same bytes read at ~33 GB/s by a plain sum taking 0.27-0.33; outputs within 3e-7 of the old kernel.
 
-It is compiled once per machine (``models/cpu_kernels.compile_cpu_extension``: a C++ compiler and about
+The prefill rows' kernel (``cpu_prefill.py``: every prompt and chunk of a step in one call, read in place
+the same way) is compiled into the same extension, and its Python side is ``cpu_prefill_attention`` below.
+
+Both are compiled once per machine (``models/cpu_kernels.compile_cpu_extension``: a C++ compiler and about
 40 s; the build is cached under ``~/.cache/torch_extensions``, one per instruction set; ``python -m
-labsupport prepare`` builds it ahead). On by default on the CPU, ``EngineConfig.cpu_decode_kernel``: where it
-cannot be built, ``available()`` says why, the engine warns once and keeps the PyTorch gather.
+labsupport prepare`` builds it ahead). On by default on the CPU, ``EngineConfig.cpu_decode_kernel`` (the name
+is older than the prefill kernel; it switches both): where they cannot be built, ``available()`` says why, the
+engine warns once and keeps PyTorch's paths.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ import warnings
 import torch
 
 from ..models.cpu_kernels import VECTORS, compile_cpu_extension
+from .cpu_prefill import PREFILL_SOURCE
 from .paged_attention import paged_decode_attention
 
 SOURCE = VECTORS + r"""#include <algorithm>
@@ -149,7 +154,8 @@ def available() -> tuple[bool, str]:
     """Compile (or load the cached build of) the kernel once per process: (True, "") or (False, why not)."""
     global _module, _why_not
     if _module is None and _why_not is None:
-        _module, why_not = compile_cpu_extension("cpu_paged_decode", "the CPU decode kernel", SOURCE, ["paged_decode"])
+        _module, why_not = compile_cpu_extension("cpu_paged_attention", "the CPU attention kernels",
+                                                 SOURCE + PREFILL_SOURCE, ["paged_decode", "paged_prefill"])
         _why_not = why_not or None
     return _module is not None, _why_not or ""
 
@@ -172,3 +178,16 @@ def cpu_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     scale = 1.0 / q.shape[-1] ** 0.5
     return _module.paged_decode(q.contiguous(), k_pool, v_pool, rows.block_tables, rows.context_lens,
                                 block_size, scale)
+
+
+def prefill_kernel_applies(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether ``cpu_prefill_attention`` serves a pool of this dtype and head size (float32, whole vectors)."""
+    return dtype == torch.float32 and head_dim % 16 == 0
+
+
+def cpu_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seqs, block_size: int,
+                          out: torch.Tensor):
+    """Every prefill sequence of the step (``paged_attention.PrefillSeqs``) attending causally over its context,
+    read in place from the pool (``cpu_prefill.py``), written into their rows of ``out`` ([T, H, D], like q)."""
+    _module.paged_prefill(q.contiguous(), k_pool, v_pool, seqs.block_tables, seqs.starts, seqs.query_lens,
+                          seqs.context_lens, block_size, 1.0 / q.shape[-1] ** 0.5, out)

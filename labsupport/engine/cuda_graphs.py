@@ -106,7 +106,7 @@ class DecodeGraphs:
         rows = DecodeRows(token_index=torch.arange(size, device=self.device), block_tables=self.tables[:size],
                           context_lens=lens, padding=padding)
         meta = AttentionBatch([1] * size, [0] * size)  # lengths live in the tensors above, not in Python
-        meta.extra = {"slot_mapping": self.slots[:size], "decode": rows, "prefill": []}
+        meta.extra = {"slot_mapping": self.slots[:size], "decode": rows, "prefill": [], "prefill_seqs": None}
         return self.model.logits(self.model(self.ids[:size], self.positions[:size], self.backend, meta))
 
     def _capture(self, size: int):

@@ -10,7 +10,9 @@ Reading takes two paths, because a step mixes two very different kinds of rows:
   padding slot is masked by its length, not by a dense [B, Lq, Lk] mask.
 * **Prefill rows** (a prompt or a chunk of one): attended one sequence at a time. A fresh
   prompt attends to its own keys with the causal rule and reads nothing from the pool; a chunk
-  or a prompt with a cached prefix gathers its context first.
+  or a prompt with a cached prefix gathers its context first. (On the CPU in float32 a C++ kernel
+  serves every prefill sequence of the step in one call instead, reading the pool in place:
+  ``cpu_prefill.py``; ``PrefillSeqs`` is what it is given.)
 
 So a decode row never pads to the longest prompt of the step. The gather is the price of staying
 in plain PyTorch: a GPU kernel reads the blocks in place (``triton_attention.py``), as does a
@@ -40,6 +42,16 @@ class DecodeRows:
     block_tables: torch.Tensor  # [B, max_blocks] (padded with block 0)
     context_lens: torch.Tensor  # [B]
     padding: torch.Tensor       # [B, max_blocks * block_size] True where a slot is past the context
+
+
+@dataclass
+class PrefillSeqs:
+    """Every prefill sequence of a step, for a kernel that serves them in one call (``cpu_attention.py``)."""
+
+    block_tables: torch.Tensor  # [S, max_blocks] (padded with block 0)
+    starts: torch.Tensor        # [S] first row of each in the flat batch
+    query_lens: torch.Tensor    # [S] its new tokens: the last query_lens of its context_lens positions
+    context_lens: torch.Tensor  # [S]
 
 
 @dataclass
@@ -95,6 +107,7 @@ class PagedAttention(AttentionBackend):
         self.device = device
         self.slot_mapping = slot_mapping  # chapter 02's exercise plugs the attendee's own in here
         self.decode_attention = paged_decode_attention  # gathers the blocks; a GPU reads them in place:
+        self.prefill_kernel = None  # or every prefill sequence of a step in one call, read in place (the CPU's)
         if torch.device(device).type == "cuda":
             from . import triton_attention  # imports triton only here, and only if it is installed
             if triton_attention.available(device):
@@ -103,6 +116,8 @@ class PagedAttention(AttentionBackend):
             from . import cpu_attention
             if cpu_attention.available()[0]:
                 self.decode_attention = cpu_attention.cpu_decode_attention
+                if cpu_attention.prefill_kernel_applies(dtype, head_dim):
+                    self.prefill_kernel = cpu_attention.cpu_prefill_attention
             else:
                 cpu_attention.warn_once_not_built()
         # one block past the allocator's: CUDA graphs' padding rows write there (cuda_graphs.py)
@@ -134,7 +149,8 @@ class PagedAttention(AttentionBackend):
         decode = [(batch.query_offsets[i] + j, i, ctx - n + 1 + j)
                   for i, (n, ctx) in enumerate(zip(batch.query_lens, batch.context_lens))
                   if self._as_decode(requests[i], n) for j in range(n)]
-        extra = {"slot_mapping": torch.tensor(writes, dtype=torch.long, device=dev), "decode": None, "prefill": []}
+        extra = {"slot_mapping": torch.tensor(writes, dtype=torch.long, device=dev), "decode": None, "prefill": [],
+                 "prefill_seqs": None}
         if decode:
             lens = [length for _, _, length in decode]
             width = -(-max(lens) // bs)
@@ -145,12 +161,21 @@ class PagedAttention(AttentionBackend):
                 token_index=torch.tensor([row for row, _, _ in decode], device=dev),
                 block_tables=tables.to(dev), context_lens=context_lens.to(dev),
                 padding=(torch.arange(width * bs)[None, :] >= context_lens[:, None]).to(dev))
-        for i, (n, ctx) in enumerate(zip(batch.query_lens, batch.context_lens)):
-            if not self._as_decode(requests[i], n):
-                ctx = batch.context_lens[i]
-                slots = None if ctx == n else torch.tensor(self.slot_mapping(requests[i].block_table, 0, ctx, bs),
-                                                           dtype=torch.long, device=dev)
-                extra["prefill"].append(PrefillRows(batch.query_offsets[i], batch.query_offsets[i + 1], slots))
+        prefill = [i for i, n in enumerate(batch.query_lens) if not self._as_decode(requests[i], n)]
+        if prefill and self.prefill_kernel is not None:  # one call per layer reads every context in place
+            width = -(-max(batch.context_lens[i] for i in prefill) // bs)
+            tables = [requests[i].block_table[:width] for i in prefill]
+            extra["prefill_seqs"] = PrefillSeqs(
+                torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long),
+                *(torch.tensor(v, dtype=torch.long) for v in ([batch.query_offsets[i] for i in prefill],
+                                                              [batch.query_lens[i] for i in prefill],
+                                                              [batch.context_lens[i] for i in prefill])))
+            prefill = []
+        for i in prefill:  # else one sequence at a time, a chunk's context gathered from the pool
+            n, ctx = batch.query_lens[i], batch.context_lens[i]
+            slots = None if ctx == n else torch.tensor(self.slot_mapping(requests[i].block_table, 0, ctx, bs),
+                                                       dtype=torch.long, device=dev)
+            extra["prefill"].append(PrefillRows(batch.query_offsets[i], batch.query_offsets[i + 1], slots))
         batch.extra = extra
         return batch
 
@@ -170,10 +195,13 @@ class PagedAttention(AttentionBackend):
         v_pool.index_copy_(1, x["slot_mapping"], v.transpose(0, 1))
         if self.connector is not None:
             self.connector.save_kv_layer(layer, k_pool, v_pool, batch)  # a push connector sends it now
-        rows = x["decode"]
-        if rows is not None and not x["prefill"]:  # the common step: decodes only, already in order
+        rows, seqs = x["decode"], x["prefill_seqs"]
+        if rows is not None and not x["prefill"] and seqs is None:  # the common step: decodes only, in order
             return self.decode_attention(q, k_pool, v_pool, rows, self.block_size)
+        q = q.contiguous()
         out = torch.empty_like(q)
+        if seqs is not None:
+            self.prefill_kernel(q, k_pool, v_pool, seqs, self.block_size, out)
         if rows is not None:
             out[rows.token_index] = self.decode_attention(q[rows.token_index], k_pool, v_pool, rows, self.block_size)
         for p in x["prefill"]:

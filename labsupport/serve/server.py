@@ -59,8 +59,9 @@ def add_serve_arguments(srv):
     srv.add_argument("--quantization", default=None, choices=["int8", "int4"],
                      help="weight-only quantization of our model (chapter 09)")
     srv.add_argument("--cpu-decode-kernel", action=argparse.BooleanOptionalAction, default=True,
-                     help="CPU: decode attention reads K/V in place in a compiled C++ kernel (the default where a "
-                          "C++ compiler built it); --no-cpu-decode-kernel keeps the PyTorch gather")
+                     help="CPU: attention reads K/V in place in compiled C++ kernels, decode rows and float32 "
+                          "prefills (the default where a C++ compiler built them); --no-cpu-decode-kernel keeps "
+                          "PyTorch's paths")
     srv.add_argument("--max-waiting-requests", type=int, default=1024,
                      help="requests waiting for a slot beyond this get 429 (0: no waiting at all)")
     srv.add_argument("--max-request-body-bytes", type=int, default=4 << 20, help="larger bodies get 413")
