@@ -79,8 +79,11 @@ def run(args, argv=None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     workloads = comparison_workloads(tokenizer, names, quick=args.quick, seed=args.seed)
     warmup = warmup_prompts(tokenizer)
+    # a hub id as given; a folder by its name only (a saved report should not carry this machine's paths)
+    model_name = args.model if args.model and not os.path.isdir(args.model) else os.path.basename(
+        os.path.normpath(str(folder)))
     report = {"command": "python -m labsupport " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "machine": machine(), "model": str(folder), "quick": args.quick,
+              "machine": machine(), "model": model_name, "quick": args.quick,
               "workloads": {n: w.summary() for n, w in workloads.items()}, "results": {}, "agreement": {}}
     report["machine"]["other_runnable_threads"] = roofline.warn_if_busy()
     if not args.no_roofline:
