@@ -1,6 +1,6 @@
-"""The model's compiled CPU kernels (``models/cpu_kernels.py``): RoPE bit-identical to ``apply_rope``, thin
-and panel products equal to ``x @ w.T + b`` to float32 rounding, and a whole engine giving the same tokens
-without them.
+"""The model's compiled CPU kernels (``models/cpu_kernels.py``, ``models/cpu_products.py``): RoPE bit-identical
+to ``apply_rope``, RMSNorm and SiLU-and-multiply and the thin and panel products equal to their PyTorch
+reference to float32 rounding, and a whole engine giving the same tokens without them.
 
 They need a C++ compiler; where none is found they are unavailable, these tests skip saying why, and
 the model keeps PyTorch's code (which every other test covers).
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from labsupport import SamplingParams
-from labsupport.models import cpu_kernels
+from labsupport.models import cpu_kernels, cpu_products
 from labsupport.models.llama import ModelConfig, RMSNorm, apply_rope, product, rope_frequencies, rope_qk
 
 from conftest import PROMPTS
@@ -69,11 +69,11 @@ def test_thin_product_equals_the_matrix_product(built, n, k):
     torch.manual_seed(n)
     stacked = torch.randn(n + 8, k) * 0.05
     weight, bias = stacked[8:], torch.randn(n)
-    assert cpu_kernels.thin_rows() >= 2
-    for rows in range(1, cpu_kernels.thin_rows() + 1):
+    assert cpu_products.thin_rows() >= 2
+    for rows in range(1, cpu_products.thin_rows() + 1):
         x = torch.randn(rows, k)
         for b in (None, bias):
-            got = cpu_kernels.thin_product(x, weight, b)
+            got = cpu_products.thin_product(x, weight, b)
             want = x.double() @ weight.double().T + (0 if b is None else b.double())
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k ** 0.5)
             torch.testing.assert_close(product(x, weight, b), got, rtol=0, atol=0)  # the model takes this path
@@ -83,14 +83,14 @@ def test_thin_product_declines_what_it_cannot_do(built):
     """More rows than it wins at, widths off its vectors, bf16, autograd watching: None, and ``product``
     gives the right answer by another path."""
     w = torch.randn(64, 32)
-    too_many = torch.randn(cpu_kernels.thin_rows() + 1, 32)
-    assert cpu_kernels.thin_product(too_many, w, None) is None
-    assert cpu_kernels.thin_product(torch.randn(1, 24), torch.randn(64, 24), None) is None  # 24 % 16
-    assert cpu_kernels.thin_product(torch.randn(1, 32), torch.randn(60, 32), None) is None  # 60 % 8
-    assert cpu_kernels.thin_product(torch.randn(1, 32).bfloat16(), w.bfloat16(), None) is None
-    assert cpu_kernels.thin_product(torch.randn(0, 32), w, None) is None
+    too_many = torch.randn(cpu_products.thin_rows() + 1, 32)
+    assert cpu_products.thin_product(too_many, w, None) is None
+    assert cpu_products.thin_product(torch.randn(1, 24), torch.randn(64, 24), None) is None  # 24 % 16
+    assert cpu_products.thin_product(torch.randn(1, 32), torch.randn(60, 32), None) is None  # 60 % 8
+    assert cpu_products.thin_product(torch.randn(1, 32).bfloat16(), w.bfloat16(), None) is None
+    assert cpu_products.thin_product(torch.randn(0, 32), w, None) is None
     x = torch.randn(1, 32, requires_grad=True)
-    assert cpu_kernels.thin_product(x, w, None) is None
+    assert cpu_products.thin_product(x, w, None) is None
     product(x, w, None).sum().backward()
     torch.testing.assert_close(x.grad, w.sum(0)[None])
 
@@ -102,12 +102,12 @@ def test_panel_product_equals_the_matrix_product(built, n, k):
     torch.manual_seed(n + k)
     stacked = torch.randn(n + 32, k) * 0.05
     weight, bias = stacked[32:], torch.randn(n)
-    panels = cpu_kernels.pack_panels(weight)
-    assert panels.shape == (n // cpu_kernels.panel_width(), k, cpu_kernels.panel_width())
-    for rows in (4, 5, 12, 13, 31, cpu_kernels.PANEL_ROWS):
+    panels = cpu_products.pack_panels(weight)
+    assert panels.shape == (n // cpu_products.panel_width(), k, cpu_products.panel_width())
+    for rows in (4, 5, 12, 13, 31, cpu_products.PANEL_ROWS):
         x = torch.randn(rows, k)
         for b in (None, bias):
-            got = cpu_kernels.panel_product(x, panels, b)
+            got = cpu_products.panel_product(x, panels, b)
             want = x.double() @ weight.double().T + (0 if b is None else b.double())
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k ** 0.5)
 
@@ -122,37 +122,56 @@ def test_a_linear_takes_the_panels_while_they_are_its_weight(built):
     assert panelled.packed[0].dim() == 3 and not panelled.packed[0].is_mkldnn  # panels
     assert odd.packed is None or odd.packed[0].is_mkldnn  # 80 rows are not whole panels of 32 (AVX-512): oneDNN's
     with torch.inference_mode():
-        for rows in (4, 9, cpu_kernels.PANEL_ROWS, cpu_kernels.PANEL_ROWS + 1, 600):
+        for rows in (4, 9, cpu_products.PANEL_ROWS, cpu_products.PANEL_ROWS + 1, 600):
             x = torch.randn(rows, 48)
             for m in (panelled, odd):
                 torch.testing.assert_close(m(x), torch.nn.functional.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
         x = torch.randn(7, 48)
-        assert torch.equal(panelled(x), cpu_kernels.panel_product(x, panelled.packed[0], panelled.bias))
+        assert torch.equal(panelled(x), cpu_products.panel_product(x, panelled.packed[0], panelled.bias))
         panelled.weight.mul_(2)  # written in place: the panels are stale and must not be read
         torch.testing.assert_close(panelled(x), torch.nn.functional.linear(x, panelled.weight, panelled.bias),
                                    rtol=1e-5, atol=1e-5)
 
 
 def test_panel_product_declines_what_it_cannot_do(built):
-    panels = cpu_kernels.pack_panels(torch.randn(64, 32))
-    assert cpu_kernels.pack_panels(torch.randn(40, 32)) is None  # 40 rows: not whole panels
-    assert cpu_kernels.pack_panels(torch.randn(64, 32).bfloat16()) is None
-    assert cpu_kernels.panel_product(torch.randn(cpu_kernels.PANEL_ROWS + 1, 32), panels, None) is None
-    assert cpu_kernels.panel_product(torch.randn(5, 24), panels, None) is None  # K does not match
-    assert cpu_kernels.panel_product(torch.randn(5, 32, requires_grad=True), panels, None) is None
+    panels = cpu_products.pack_panels(torch.randn(64, 32))
+    assert cpu_products.pack_panels(torch.randn(40, 32)) is None  # 40 rows: not whole panels
+    assert cpu_products.pack_panels(torch.randn(64, 32).bfloat16()) is None
+    assert cpu_products.panel_product(torch.randn(cpu_products.PANEL_ROWS + 1, 32), panels, None) is None
+    assert cpu_products.panel_product(torch.randn(5, 24), panels, None) is None  # K does not match
+    assert cpu_products.panel_product(torch.randn(5, 32, requires_grad=True), panels, None) is None
 
 
-@pytest.mark.parametrize("rows, features", [(1, 576), (32, 64), (257, 960), (2048, 4096)])
-def test_rms_norm_in_float32_is_the_reference_bit_for_bit(rows, features):
-    """``RMSNorm`` runs ``F.rms_norm`` in float32 on the CPU (one operator instead of six): it must give what
-    the reference lines (transformers' ``LlamaRMSNorm``) give, to the bit, at any scale of the input."""
+@pytest.mark.parametrize("rows, features", [(1, 576), (3, 24), (32, 64), (257, 960), (2048, 4096)])
+def test_rms_norm_equals_the_reference(built, rows, features):
+    """``RMSNorm`` in float32 on the CPU runs the C++ pass: within a few units in the last place of the reference
+    lines (transformers' ``LlamaRMSNorm``) at any scale of the input and any width (24: not whole vectors),
+    on a strided view too. With autograd watching it runs ``F.rms_norm``, which is the reference to the bit."""
     torch.manual_seed(rows)
     norm = RMSNorm(features, 1e-5)
     norm.weight.data = torch.randn(features)
     for scale in (1e-3, 1.0, 1e3):
-        x = torch.randn(rows, features) * scale
+        x = torch.randn(rows, 2 * features)[:, ::2] * scale  # every other column: not contiguous
         reference = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
-        assert torch.equal(norm(x), reference)
+        with torch.inference_mode():
+            got = norm(x)
+            assert torch.equal(got, cpu_kernels.cpu_rms_norm(x, norm.weight, norm.eps))  # the kernel's path
+        torch.testing.assert_close(got, reference.detach(), rtol=1e-6, atol=0)
+        assert torch.equal(norm(x), reference)  # autograd watching the weight: F.rms_norm, bit for bit
+
+
+def test_silu_mul_equals_the_reference(built):
+    """``silu(gate) * up`` of a stacked [T, 2I] product: large, small, negative and zero inputs."""
+    torch.manual_seed(0)
+    for rows, inner in ((1, 1536), (5, 24), (300, 1536)):
+        gate_up = torch.randn(rows, 2 * inner) * 4
+        gate_up[0, :6] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-8, -200.0])
+        gate, up = gate_up.double().chunk(2, dim=-1)
+        want = torch.nn.functional.silu(gate) * up
+        torch.testing.assert_close(cpu_kernels.cpu_silu_mul(gate_up).double(), want, rtol=2e-6, atol=1e-30)
+    assert cpu_kernels.cpu_silu_mul(torch.randn(2, 8, requires_grad=True)) is None  # autograd: PyTorch's path
+    assert cpu_kernels.cpu_silu_mul(torch.randn(2, 8).bfloat16()) is None
+    assert cpu_kernels.cpu_rms_norm(torch.randn(2, 8).bfloat16(), torch.ones(8).bfloat16(), 1e-5) is None
 
 
 def test_an_engine_gives_the_same_tokens_without_the_kernel(built, llm, monkeypatch):
@@ -181,14 +200,19 @@ def test_the_other_instruction_sets_compute_the_same(built, vectors):
     if vectors == "avx2" and platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("AVX2 is x86's")
     flags = ["-O3", "-fopenmp"] + (["-mavx2", "-mfma"] if vectors == "avx2" else [])
-    model = load_inline(f"labsupport_test_model_{vectors}", cpp_sources=[cpu_kernels.SOURCE],
-                        functions=["thin_product", "panel_product", "vector_width"],
+    model = load_inline(f"labsupport_test_model_{vectors}",
+                        cpp_sources=[cpu_kernels.SOURCE + cpu_products.SOURCE],
+                        functions=["rms_norm", "silu_mul", "thin_product", "panel_product", "vector_width"],
                         extra_cflags=flags + ["-ffp-contract=off"], extra_ldflags=["-fopenmp"])
     from labsupport.engine.cpu_prefill import PREFILL_SOURCE
     decode = load_inline(f"labsupport_test_attention_{vectors}", cpp_sources=[cpu_attention.SOURCE + PREFILL_SOURCE],
                          functions=["paged_decode", "paged_prefill"], extra_cflags=flags, extra_ldflags=["-fopenmp"])
     width = 2 * model.vector_width()
     assert width == 16
+    x, weight = torch.randn(3, 40) * 3, torch.randn(40)  # 40: two vectors and a tail of 8 with AVX-512, 5 with AVX2
+    torch.testing.assert_close(model.rms_norm(x, weight, 1e-5), cpu_kernels.cpu_rms_norm(x, weight, 1e-5),
+                               rtol=1e-6, atol=0)
+    torch.testing.assert_close(model.silu_mul(x), cpu_kernels.cpu_silu_mul(x), rtol=1e-6, atol=1e-30)
     torch.manual_seed(1)
     for n, k in [(960, 576), (576, 1536), (64, 40)]:
         weight, bias = torch.randn(n, k) * 0.05, torch.randn(n)

@@ -104,7 +104,7 @@ def _bandwidth_seconds(min_time: float) -> tuple[float, float]:
 
 def _linear_seconds(x, w, min_time: float) -> float:
     """Best time of ``x @ w.T``: ``F.linear``, or what our engine runs (``products.product``: the C++ kernels
-    for up to 128 rows, ``cpu_kernels.py``, oneDNN beyond, on the copy ``pack_cpu_weights`` would make)."""
+    for up to 128 rows, ``cpu_products.py``, oneDNN beyond, on the copy ``pack_cpu_weights`` would make)."""
     seconds = _best_seconds(lambda: F.linear(x, w), min_time)
     packed = pack_weight(w, packed_copy(w))
     if packed is not None:

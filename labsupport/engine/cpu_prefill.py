@@ -29,7 +29,7 @@ prefix 13 against 21-25 (that path also gathered the prefix); one 2048-token pro
 outputs agree to 7e-7 (``tests/test_cpu_attention.py``).
 
 Compiled with the decode kernel into one extension (``cpu_attention.available()``); the source below expects
-``cpu_kernels.VECTORS`` and the decode kernel's ``exp_nonpositive`` before it.
+``cpu_kernels.VECTORS`` (with its ``exp_nonpositive``) and the decode kernel before it.
 """
 
 PREFILL_SOURCE = r"""#include <atomic>

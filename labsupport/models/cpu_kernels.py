@@ -1,26 +1,11 @@
 """Small compiled C++ kernels for the model on the CPU, and the one way this package builds them.
 
-Places where PyTorch's general code leaves time on the table in a decode step, measured on the
-2-core course machine (Zen 5, AVX-512), default model, float32:
+A decode step of one sequence is mostly the products' weight reads (``cpu_products.py``); around them
+each layer runs a dozen small operators on a few thousand numbers, where PyTorch spends its time in
+dispatch, not arithmetic. These kernels do that work in one call each, measured on the 2-core course
+machine (Zen 5, AVX-512), default model, float32 (``fused_kernels.py`` has their twins for GPUs):
 
-**Thin products** (``thin_product``): ``x @ weight.T`` for one to three rows of ``x``, a decode step of
-one to three sequences. Such a product only streams its weight from memory, and oneDNN's packed
-path reads SmolLM2's 538 MB at ~31 GB/s (17-18 ms a step, the 121 products of the model). Eight
-weight rows at a time, each read once and dotted with every row of ``x`` from registers, reach
-~37 GB/s: 14.7 against 18.5 ms at one row, 17.7 against 22.5 at two, 18.3 against 21.1 at three;
-from four rows on, oneDNN's blocking wins (AVX2 builds: up to two rows). The sum runs in a
-different order from oneDNN's, as oneDNN's differs from the default BLAS: tokens are checked
-against transformers as for every product.
-
-**Panel products** (``panel_product``): four to 128 rows, a decode step of a batch or a short chunk. The
-weight is re-laid once as panels of 32 columns (``pack_panels``: [N / 32, K, 32]), so for each ``k`` a
-tile of 12 rows of ``x`` multiplies two vector loads of the panel by 12 broadcast numbers, 24
-multiply-adds into sums kept in registers (AVX2: 6 rows x 16 columns). The model's 121 products, both
-threads, against oneDNN on its own packed copy in the same loop (three runs, noisy): 15-25 vs 21-31 ms
-at 8 rows, 29-42 vs 34-44 at 32, 38-44 vs 44-58 at 48, 51-57 vs 57-67 at 64, 121 vs 107 at 128 (where
-oneDNN's plain path, 127, is the alternative), slower beyond. ``products.py`` routes each product.
-
-**RoPE of q and k in one call** (``cpu_rope_qk``), the CPU's twin of ``fused_kernels.triton_rope_qk``.
+**RoPE of q and k in one call** (``cpu_rope_qk``).
 ``apply_rope`` in PyTorch is about a dozen small operators for q and k together (slices, a negation,
 a concatenation, broadcast products and sums), each a few microseconds of dispatch around almost no
 arithmetic: 35 us per layer at one token, about 1 ms of a single-sequence decode step. One C++ loop
@@ -28,6 +13,15 @@ does both rotations in 2 us and writes q and k contiguous, which the decode kern
 (``engine/cpu_attention.py``) reads without a copy. It computes exactly what ``apply_rope`` computes,
 product by product and sum by sum (no fused multiply-add: ``-ffp-contract=off``), so its output is
 bit-identical.
+
+**RMSNorm in one pass** (``cpu_rms_norm``). ``F.rms_norm`` takes 8-9 us at one token of 576 features
+(61 calls a step), the C++ loop 1-2; at prefill sizes it is 2-4x faster too (2048 x 576: 100 against
+240 us). It sums the squares in vector lanes, so its result differs from the reference in the last
+bits (a few units in the last place); tokens are checked against transformers as for every product.
+
+**SiLU-and-multiply** (``cpu_silu_mul``) from the stacked gate/up product, with ``exp_nonpositive``
+instead of a scalar ``exp`` call: 2 against 4 us at one token, 1.0 against 1.6 ms at 2048 x 1536.
+Together the two took 0.9 ms off a 17 ms batch-1 decode step (in one process, on and off alternating).
 
 **Building.** ``compile_cpu_extension`` compiles a source once per machine with
 ``torch.utils.cpp_extension`` (a C++ compiler, ``ninja``, 20-40 s; cached under
@@ -48,6 +42,10 @@ import torch
 # AVX2, else eight in the compiler's portable vectors (an Arm laptop). A kernel says ``vfma(a, b, c)`` once.
 VECTORS = r"""#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -83,6 +81,20 @@ static inline vec vmul(vec a, vec b) { return a * b; }
 static inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
 static inline float vsum(vec a) { float s = 0.f; for (int i = 0; i < 8; ++i) s += a[i]; return s; }
 #endif
+
+// exp(x) for x <= 0, written so the compiler vectorises the loops of a softmax or a SiLU (std::exp is a scalar call):
+// x = n ln2 + r, |r| <= ln2 / 2; e^r by its degree-6 Taylor polynomial; 2^n written into the exponent bits.
+static inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = std::fma(n, -0.693359375f, std::fma(n, 2.12194440e-4f, x));
+  float p = 1.f / 720;
+  p = std::fma(p, r, 1.f / 120); p = std::fma(p, r, 1.f / 24); p = std::fma(p, r, 1.f / 6);
+  p = std::fma(p, r, 0.5f); p = std::fma(p, r, 1.f); p = std::fma(p, r, 1.f);
+  const int32_t bits = ((int32_t)n + 127) << 23;
+  float two_n; std::memcpy(&two_n, &bits, 4);
+  return p * two_n;
+}
 """
 
 SOURCE = VECTORS + r"""#include <algorithm>
@@ -117,106 +129,57 @@ std::vector<torch::Tensor> rope_qk(torch::Tensor q, torch::Tensor k, torch::Tens
 }
 
 
-// x [M, K] (a few rows), weight [N, K] row-major, bias [N] or empty -> x @ weight.T + bias, [M, N].
-// Eight weight rows at a time, each streamed from memory once and dotted with every row of x.
-torch::Tensor thin_product(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && K % W == 0 && N % 8 == 0 && weight.size(1) == K,
-              "thin_product: unexpected inputs");
-  auto out = torch::empty({M, N}, x.options());
+// x [M, K] (any K), weight [K] -> x / sqrt(mean(x^2) + eps) * weight: one pass over a row for the sum of squares,
+// one to scale it. A decode step's few rows run on one thread (a thread pool wakes in more time than this takes).
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  const int64_t K = x.size(-1), M = x.numel() / std::max<int64_t>(K, 1);
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && weight.numel() == K, "rms_norm: unexpected inputs");
+  auto out = torch::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
-  const float *bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float *op = out.data_ptr<float>();
-  at::parallel_for(0, N / 8, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const float *r = wp + g * 8 * K;
-      for (int64_t m = 0; m < M; ++m) {
-        const float *xm = xp + m * K;
-        vec a0 = vzero(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-        for (int64_t k = 0; k < K; k += W) {
-          const vec xv = vload(xm + k);
-          a0 = vfma(xv, vload(r + k), a0);         a1 = vfma(xv, vload(r + K + k), a1);
-          a2 = vfma(xv, vload(r + 2 * K + k), a2); a3 = vfma(xv, vload(r + 3 * K + k), a3);
-          a4 = vfma(xv, vload(r + 4 * K + k), a4); a5 = vfma(xv, vload(r + 5 * K + k), a5);
-          a6 = vfma(xv, vload(r + 6 * K + k), a6); a7 = vfma(xv, vload(r + 7 * K + k), a7);
-        }
-        float *o = op + m * N + g * 8;
-        o[0] = vsum(a0); o[1] = vsum(a1); o[2] = vsum(a2); o[3] = vsum(a3);
-        o[4] = vsum(a4); o[5] = vsum(a5); o[6] = vsum(a6); o[7] = vsum(a7);
-        if (bp) for (int i = 0; i < 8; ++i) o[i] += bp[g * 8 + i];
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float *r = xp + m * K;
+      float *o = op + m * K;
+      vec acc = vzero();
+      int64_t k = 0;
+      for (; k + W <= K; k += W) { const vec a = vload(r + k); acc = vfma(a, a, acc); }
+      float sum = vsum(acc);
+      for (int64_t j = k; j < K; ++j) sum += r[j] * r[j];
+      const float inv = 1.f / std::sqrt(sum / K + (float)eps);
+      const vec iv = vset1(inv);
+      for (k = 0; k + W <= K; k += W) vstore(o + k, vmul(vmul(vload(r + k), iv), vload(wp + k)));
+      for (int64_t j = k; j < K; ++j) o[j] = r[j] * inv * wp[j];
+    }
+  });
+  return out;
+}
+
+// gate_up [M, 2I] (gate, then up: fuse_projections' stack) -> silu(gate) * up, [M, I]; exp by exp_nonpositive.
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.is_contiguous() && gate_up.size(1) == 2 * I, "silu_mul: unexpected inputs");
+  auto out = torch::empty({M, I}, gate_up.options());
+  const float *gp = gate_up.data_ptr<float>();
+  float *op = out.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float *g = gp + m * 2 * I, *u = g + I;
+      float *o = op + m * I;
+      #pragma omp simd
+      for (int64_t i = 0; i < I; ++i) {  // sigmoid(a) = 1 / (1 + e^-a) = e^a / (1 + e^a): e^-|a| either way
+        const float a = g[i], e = exp_nonpositive(-std::fabs(a));
+        o[i] = a * (a >= 0.f ? 1.f / (1.f + e) : e / (1.f + e)) * u[i];
       }
     }
   });
   return out;
 }
 
-// Panels: weight [N, K] re-laid as [N / 2W][K][2W] (pack_panels), so the 2W outputs of a column block lie
-// side by side for every k. A tile of R rows of x against one panel keeps R x 2W sums in registers (R = 12
-// with AVX-512: 24 of its 32 registers), and each step of k broadcasts R numbers of x against two loads of
-// the panel: 2R multiply-adds per two loads, where a dot product makes one per load.
-constexpr int64_t MR = W == 16 ? 12 : 6;
-
-template <int R>
-static inline void panel_tile(const float *xt, int64_t K, const float *panel, const float *bias, float *out,
-                              int64_t N) {
-  vec acc[R][2];
-  for (int m = 0; m < R; ++m) { acc[m][0] = vzero(); acc[m][1] = vzero(); }
-  for (int64_t k = 0; k < K; ++k) {
-    const vec w0 = vload(panel + k * 2 * W), w1 = vload(panel + k * 2 * W + W);
-    for (int m = 0; m < R; ++m) {
-      const vec xv = vset1(xt[k * R + m]);
-      acc[m][0] = vfma(xv, w0, acc[m][0]);
-      acc[m][1] = vfma(xv, w1, acc[m][1]);
-    }
-  }
-  for (int m = 0; m < R; ++m) {
-    if (bias) { acc[m][0] = acc[m][0] + vload(bias); acc[m][1] = acc[m][1] + vload(bias + W); }
-    vstore(out + m * N, acc[m][0]); vstore(out + m * N + W, acc[m][1]);
-  }
-}
-
-template <int R>
-static void panel_rows(int64_t rows, const float *xt, int64_t K, const float *panel, const float *bias,
-                       float *out, int64_t N) {  // the last tile of x may have fewer than MR rows
-  if constexpr (R == 1) panel_tile<1>(xt, K, panel, bias, out, N);
-  else if (rows == R) panel_tile<R>(xt, K, panel, bias, out, N);
-  else panel_rows<R - 1>(rows, xt, K, panel, bias, out, N);
-}
-
-// x [M, K] contiguous, panels [N / 2W, K, 2W], bias [N] or empty -> x @ weight.T + bias, [M, N].
-torch::Tensor panel_product(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias) {
-  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), N = P * 2 * W;
-  TORCH_CHECK(x.is_contiguous() && panels.is_contiguous() && panels.size(1) == K && panels.size(2) == 2 * W,
-              "panel_product: unexpected inputs");
-  auto out = torch::empty({M, N}, x.options());
-  const float *xp = x.data_ptr<float>(), *pp = panels.data_ptr<float>();
-  const float *bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  float *op = out.data_ptr<float>();
-  const int64_t tiles = (M + MR - 1) / MR;
-  std::vector<float> xt(tiles * MR * K);  // x in tiles of MR rows, each transposed: the R numbers of a k together
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t rows = std::min<int64_t>(MR, M - t * MR);
-    for (int64_t m = 0; m < rows; ++m)
-      for (int64_t k = 0; k < K; ++k) xt[t * MR * K + k * rows + m] = xp[(t * MR + m) * K + k];
-  }
-  constexpr int64_t ROW_TILES = 8;  // rows in blocks of 8 tiles: x's block stays in cache across the panels
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t0 = 0; t0 < tiles; t0 += ROW_TILES)
-      for (int64_t j = begin; j < end; ++j)
-        for (int64_t t = t0; t < std::min(tiles, t0 + ROW_TILES); ++t)
-          panel_rows<MR>(std::min<int64_t>(MR, M - t * MR), xt.data() + t * MR * K, K, pp + j * K * 2 * W,
-                         bp ? bp + j * 2 * W : nullptr, op + t * MR * N + j * 2 * W, N);
-  });
-  return out;
-}
-
-int64_t vector_width() { return W; }
 """
 
 _lock = threading.Lock()
 _built: dict[str, tuple[object, str]] = {}  # name -> (module or None, why not)
-_thin_rows = 0  # set by build(): rows up to which thin_product beats oneDNN with this build's vectors
-PANEL_ROWS = 128  # rows up to which panel_product beats oneDNN on the plain weight (measured, see above)
 
 
 def compile_cpu_extension(name: str, what: str, source: str, functions: list[str],
@@ -252,75 +215,50 @@ def _put_ninja_on_path():
 
 
 def build() -> tuple[bool, str]:
-    """Build the model's CPU kernels now, or say why they cannot be (then PyTorch's code runs)."""
-    global _thin_rows
-    module, why_not = compile_cpu_extension("cpu_model_kernels", "the CPU model kernels (RoPE, products)",
-                                            SOURCE, ["rope_qk", "thin_product", "panel_product", "vector_width"],
-                                            ["-ffp-contract=off"])
-    if module is not None:
-        # Measured on x86 only: elsewhere (the portable vectors) products keep PyTorch's path.
-        _thin_rows = {16: 3, 8: 2}[module.vector_width()] if torch.backends.cpu.get_cpu_capability() in (
-            "AVX2", "AVX512") else 0
+    """Build the model's CPU kernels now, these and ``cpu_products.py``'s in one extension, or say why they
+    cannot be (then PyTorch's code runs)."""
+    from . import cpu_products  # it imports this file for the build
+    module, why_not = compile_cpu_extension(
+        "cpu_model_kernels", "the CPU model kernels (RoPE, norms, products)", SOURCE + cpu_products.SOURCE,
+        ["rope_qk", "rms_norm", "silu_mul", "thin_product", "panel_product", "vector_width"], ["-ffp-contract=off"])
     return module is not None, why_not
 
 
-def _module():
+def extension():
+    """The built extension of ``build()`` (these kernels and the products'), or None: not built (yet)."""
     return _built.get("cpu_model_kernels", (None,))[0]
-
-
-def thin_rows() -> int:
-    """Rows up to which ``thin_product`` beats oneDNN: 3 with AVX-512, 2 with AVX2 (measured, see above), none
-    elsewhere."""
-    return _thin_rows if _module() is not None else 0
-
-
-def thin_product(x: torch.Tensor, weight: torch.Tensor, bias):
-    """``x @ weight.T + bias`` streamed by the C++ kernel, or None where it does not apply: not built, more
-    rows than ``thin_rows()``, not float32 on the CPU, shapes off its vector width, or autograd watching."""
-    module = _module()
-    if (module is None or x.dim() != 2 or not 0 < x.shape[0] <= thin_rows()
-            or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
-            or x.shape[1] % 16 or weight.shape[0] % 8 or not x.is_contiguous() or not weight.is_contiguous()
-            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
-        return None
-    return module.thin_product(x, weight, bias)
 
 
 def cpu_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """``(apply_rope(q, cos, sin), apply_rope(k, cos, sin))`` in one call, or None where this kernel does not
     apply: not built yet (a forward pass never waits for a compiler), not float32 on the CPU, or autograd
     watching (the kernel has no backward)."""
-    module = _module()
+    module = extension()
     if (module is None or q.device.type != "cpu" or q.dtype != torch.float32 or k.dtype != torch.float32
             or cos.dtype != torch.float32 or q.stride(-1) != 1 or k.stride(-1) != 1 or q.requires_grad or k.requires_grad):
         return None
     return module.rope_qk(q, k, cos.contiguous(), sin.contiguous())
 
 
-def panel_width() -> int:
-    """Columns of a panel in this build (``2 * vector width``: 32 with AVX-512, 16 with AVX2), 0 where the
-    kernels are not built or not measured (products then keep oneDNN's packed copies)."""
-    module = _module()
-    return 2 * module.vector_width() if module is not None and thin_rows() else 0
+def _applies(*tensors) -> bool:
+    """Whether the element-wise kernels serve these tensors: float32 on the CPU, autograd not watching."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors) and not (
+        torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` [N, K] as panels [N / width, K, width] for ``panel_product``, or None where it cannot be."""
-    width = panel_width()
-    if not width or weight.dim() != 2 or weight.shape[0] % width or weight.dtype != torch.float32:
+def cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """``F.rms_norm(x, (K,), weight, eps)`` in one C++ pass, or None where it does not apply (not built,
+    not float32 on the CPU, autograd watching)."""
+    module = extension()
+    if module is None or not _applies(x, weight):
         return None
-    n, k = weight.shape
-    return weight.detach().reshape(n // width, width, k).transpose(1, 2).contiguous()
+    return module.rms_norm(x.contiguous(), weight.contiguous(), eps)
 
 
-def panel_product(x: torch.Tensor, panels: torch.Tensor, bias):
-    """``x @ weight.T + bias`` from the weight's panels, or None where this kernel does not apply: not built,
-    more rows than ``PANEL_ROWS``, not float32, or autograd watching."""
-    module = _module()
-    if (module is None or x.dim() != 2 or not 0 < x.shape[0] <= PANEL_ROWS or x.dtype != torch.float32
-            or x.device.type != "cpu" or x.shape[1] != panels.shape[1] or panels.shape[2] != panel_width()
-            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))
-            or (torch.is_grad_enabled() and x.requires_grad)):
+def cpu_silu_mul(gate_up: torch.Tensor):
+    """``silu(gate) * up`` of the stacked [T, 2I] gate/up product in one C++ pass, or None where it does not
+    apply; the CPU's twin of ``fused_kernels.triton_silu_mul``."""
+    module = extension()
+    if module is None or gate_up.dim() != 2 or not _applies(gate_up):
         return None
-    return module.panel_product(x.contiguous(), panels, bias)
+    return module.silu_mul(gate_up.contiguous())

@@ -5,8 +5,8 @@ the fastest path depends on how many rows ``x`` has, measured on the 2-core cour
 AVX-512), the model's products one after another, both threads:
 
 * **1-3 rows** (a decode step of one to three sequences): the C++ kernel that streams each weight row
-  once (``cpu_kernels.thin_product``), reading the plain weight.
-* **4-128 rows** (decode steps of a batch, short chunks): the C++ panel kernel (``cpu_kernels.panel_product``)
+  once (``cpu_products.thin_product``), reading the plain weight.
+* **4-128 rows** (decode steps of a batch, short chunks): the C++ panel kernel (``cpu_products.panel_product``)
   on a copy of the weight re-laid as panels, made once when the model loads (``pack_cpu_weights``). It
   keeps a 12 x 32 block of sums in registers. Against oneDNN's own packed copy, in one process, old and new
   alternating, whole decode steps: batch 8 24.9 vs 31.6 ms, 40 63.6 vs 68.7, 48 77.5 vs 99.3 (median
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_kernels
+from . import cpu_products
 
 # oneDNN's fp32 matmul, where this torch build has it (x86 CPUs). Measured on a 2-core EPYC (AVX2),
 # both threads: on the 49152-wide LM head of a decode step about 1.7x faster than the default BLAS
@@ -46,7 +46,7 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias, packed=None) -> torch.T
         return F.linear(x, weight, bias)  # autograd watching: oneDNN's product and ours have no backward
     if x.device.type != "cpu" or x.dtype != torch.float32:
         return F.linear(x, weight, bias)
-    streamed = cpu_kernels.thin_product(x, weight, bias)  # 1-3 rows: the C++ kernel, if built
+    streamed = cpu_products.thin_product(x, weight, bias)  # 1-3 rows: the C++ kernel, if built
     if streamed is not None:
         return streamed
     if packed is not None:
@@ -54,7 +54,7 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias, packed=None) -> torch.T
         if weight.data_ptr() == ptr and weight._version == version:
             if copy.is_mkldnn:  # oneDNN's packed layout
                 return _onednn_linear(x, copy, bias, "none", [], "")
-            blocked = cpu_kernels.panel_product(x, copy, bias)  # None past PANEL_ROWS rows, or not built
+            blocked = cpu_products.panel_product(x, copy, bias)  # None past PANEL_ROWS rows, or not built
             if blocked is not None:
                 return blocked
     if _onednn_linear is not None and x.dim() == 2:
@@ -76,7 +76,7 @@ def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
     whole panels, else oneDNN's packed layout on x86 (an opaque ``is_mkldnn`` tensor); None elsewhere."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
-    panels = cpu_kernels.pack_panels(weight)
+    panels = cpu_products.pack_panels(weight)
     if panels is not None or _onednn_linear is None:
         return panels
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
