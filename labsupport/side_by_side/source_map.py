@@ -62,10 +62,12 @@ MECHANISMS = [dict(zip(("mechanism", "chapter", "ours", "vllm", "differs"), (m, 
     ("KV cache manager", "02", "engine/kv_cache_manager.py:KVCacheManager.allocate",
      "v1/core/kv_cache_manager.py:KVCacheManager.allocate_slots v1/core/single_type_kv_cache_manager.py:FullAttentionManager",
      "vLLM manages groups of layers with different KV kinds (full, sliding window, Mamba); ours one group"),
-    ("Paged attention", "02", "engine/paged_attention.py:PagedAttention engine/cpu_attention.py:cpu_decode_attention",
+    ("Paged attention", "02", "engine/paged_attention.py:PagedAttention engine/cpu_attention.py:cpu_decode_attention "
+     "engine/cpu_attention.py:cpu_prefill_attention",
      "v1/attention/backends/cpu_attn.py:CPUAttentionBackendImpl v1/attention/backends/flash_attn.py:FlashAttentionImpl "
      "_custom_ops.py:reshape_and_cache_flash",
-     "both read decode rows' K/V in place (ours: C++ on the CPU, Triton on a GPU); vLLM's one launch also serves prefill rows"),
+     "both read K/V in place through the block table; ours: on the CPU one C++ call per layer for the decode rows and "
+     "one for every prompt and chunk, on a GPU Triton for decode rows; vLLM's one launch serves both kinds"),
     ("Triton decode kernel", "02", "engine/triton_attention.py:triton_decode_attention",
      "v1/attention/ops/triton_unified_attention.py:unified_attention v1/attention/backends/triton_attn.py:TritonAttentionImpl",
      "vLLM's one kernel serves prefill and decode rows and splits long contexts into segments"),
@@ -97,8 +99,9 @@ MECHANISMS = [dict(zip(("mechanism", "chapter", "ours", "vllm", "differs"), (m, 
      "v1/cudagraph_dispatcher.py:CudagraphDispatcher compilation/cuda_graph.py:CUDAGraphWrapper",
      "ours: full graphs of decode steps; vLLM also captures piecewise graphs for mixed batches"),
     ("Fused kernels", "GPU", "models/fused_kernels.py:triton_rope_qk models/cpu_kernels.py:cpu_rope_qk "
-     "models/llama.py:fuse_projections",
-     "model_executor/layers/rotary_embedding/base.py:RotaryEmbedding model_executor/layers/linear.py:QKVParallelLinear "
+     "models/cpu_kernels.py:cpu_rms_norm models/cpu_kernels.py:cpu_silu_mul models/llama.py:fuse_projections",
+     "model_executor/layers/rotary_embedding/base.py:RotaryEmbedding model_executor/layers/layernorm.py:RMSNorm "
+     "model_executor/layers/activation.py:SiluAndMul model_executor/layers/linear.py:QKVParallelLinear "
      "model_executor/custom_op.py:CustomOp", "vLLM's are CustomOps: compiled C++/CUDA kernels with a PyTorch fallback"),
     ("Frontend (prompt to tokens)", "06", "frontend.py:Frontend",
      "v1/engine/input_processor.py:InputProcessor renderers/hf.py:HfRenderer", "vLLM also renders multimodal inputs and tools"),
