@@ -93,6 +93,9 @@ def main(argv=None):
             print("CPU attention kernels: built" if built else f"{why_not}; engines will keep the PyTorch gather")
             built, why_not = cpu_kernels.build()
             print("CPU model kernels: built" if built else f"{why_not}; the model keeps PyTorch's code")
+            from .engine import cpu_decode_layers
+            built, why_not = cpu_decode_layers.available()
+            print("CPU decode layer: built" if built else f"{why_not}; decode steps keep the Python layers")
         return 0
     from . import LLM, SamplingParams
     try:

@@ -64,6 +64,17 @@ def uses_cuda_graphs(c: EngineConfig, device) -> bool:
     return triton_attention.available(device)
 
 
+def uses_cpu_decode_layers(c: EngineConfig, device, backend) -> bool:
+    """Small decode steps run a C++ call per layer on a CPU whose decode kernel is built, in float32, unless
+    ``enforce_eager`` (built here, once per machine, as the other kernels; ``cpu_decode_layers.py``)."""
+    pools = getattr(backend, "k_pool", None)
+    if (torch.device(device).type != "cpu" or c.enforce_eager or c.kv_cache != "paged" or not c.cpu_decode_kernel
+            or not pools or pools[0].dtype != torch.float32):
+        return False
+    from . import cpu_decode_layers
+    return cpu_decode_layers.available()[0]
+
+
 def load_draft(c: EngineConfig, model, device):
     """The draft model of ``speculative_config`` (None for prompt lookup or no speculation)."""
     spec = c.speculative_config

@@ -49,7 +49,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = False
     long_prefill_token_threshold: int = 0  # with chunked prefill: cap on one request's chunk per step (0: none)
     scheduling_policy: str = "continuous"  # or "static": the baseline of chapter 04
-    enforce_eager: bool = False  # GPU: True launches every kernel from Python (no CUDA graphs for decode)
+    enforce_eager: bool = False  # True: every layer from Python; else a GPU replays decode steps from CUDA graphs
+    # (engine/cuda_graphs.py) and a CPU runs small float32 decode steps a C++ call a layer (engine/cpu_decode_layers.py)
     kv_transfer_config: dict | None = None  # chapter 07: a KV connector, as vLLM's --kv-transfer-config
     speculative_config: dict | None = None  # chapter 09: {"method": "ngram"|"draft_model", ...}, as vLLM's
     quantization: str | None = None  # chapter 09: weight-only "int8" (per channel) or "int4" (groups of 32)

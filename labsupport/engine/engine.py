@@ -22,6 +22,7 @@ from . import build, cpu_memory
 from .attention import ContiguousAttention
 from .block_pool import blocks_needed
 from .config import RUNTIME_OPTIONS, EngineConfig
+from .cpu_decode_layers import CpuDecodeLayers
 from .cuda_graphs import DecodeGraphs
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import ContiguousKVManager, KVCacheManager
@@ -50,6 +51,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.backend, self.device)
         if getattr(self.backend, "scratch_slot", None) is not None:  # made for CUDA graphs (build.uses_cuda_graphs)
             self.runner.graphs = DecodeGraphs(self.model, self.backend, self.config.max_num_seqs, self.max_model_len)
+        elif build.uses_cpu_decode_layers(self.config, self.device, self.backend):
+            self.runner.cpu_layers = CpuDecodeLayers(self.model, self.backend)
         self.scheduler = Scheduler(self.config, self.kv, build.eos_token_ids(self.tokenizer, self.model_path))
         self.connector = None  # chapter 07: KV to and from other engines (kv_transfer_config)
         if self.config.kv_transfer_config is not None:
@@ -312,7 +315,7 @@ class LLMEngine:
                 self.kv.caches.clear()
             if isinstance(self.kv, KVCacheManager):
                 self.kv.cpu_tier = None  # its views would keep the pool alive
-            self.model = self.runner.model = self.runner.graphs = None
+            self.model = self.runner.model = self.runner.graphs = self.runner.cpu_layers = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 

@@ -23,6 +23,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.rejection_sample = rejection_sample  # chapter 09's plug point: the acceptance rule
         self.graphs = None  # DecodeGraphs on a GPU (cuda_graphs.py): decode-only steps replay a CUDA graph
+        self.cpu_layers = None  # CpuDecodeLayers on a CPU (cpu_decode_layers.py): small decode steps, a C++ call a layer
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> list[int]:
@@ -38,7 +39,11 @@ class ModelRunner:
         meta = self.backend.prepare(batch.requests, batch.num_new_tokens)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, self.backend, meta)
+        hidden = None
+        if self.cpu_layers is not None and self.cpu_layers.backend is self.backend and self.cpu_layers.can_run(ids, meta):
+            hidden = self.cpu_layers.forward(ids, pos, meta)  # None: a layer is not as loaded
+        if hidden is None:
+            hidden = self.model(ids, pos, self.backend, meta)
         guesses = num_guesses(batch)
         if any(guesses):
             return self._verify(hidden, batch, meta.query_offsets, guesses)

@@ -1,0 +1,128 @@
+"""Decode steps of one to three sequences on the CPU with each layer in one C++ call: the CPU's ``DecodeGraphs``.
+
+At batch 1 a decode step is mostly reading the weights (the thin products, ``models/cpu_products.py``), and
+around them each layer makes about twenty Python calls: module calls, the norm, RoPE and SiLU kernels, the
+K/V writes, splits and views, the attention. Each costs one to a few microseconds, and more in a real step
+than alone, because the weights streaming through the caches evict the interpreter's state: measured on the
+2-core Zen 5 machine, 5-6 ms of a 21 ms step. A GPU removes the same overhead by replaying a CUDA graph
+(``cuda_graphs.py``); a CPU has no graphs, so ``decode_layer`` below calls the very kernels the Python layer
+calls, in the same order, from C++: one call per layer instead of twenty. In the engine, alternating with
+the Python layers in one process: 15.5 against 18.7 ms a step at batch 1, the same tokens.
+
+The Python model (``models/llama.py``) stays the one description of the layer; this is a faster way to run
+it, for the steps where nothing else may need to see inside a layer, and it steps aside otherwise:
+
+* only decode-only steps of at most ``thin_rows()`` tokens (the products' thin kernel), float32;
+* only Llama/Qwen2 layers as loaded (stacked q/k/v and gate/up, plain ``Linear`` products; a Qwen3 q/k norm,
+  a quantized or replaced weight runs the Python layer);
+* only with the engine's own pieces: the C++ decode kernel, no KV connector (chapter 07's per-layer hooks),
+  no attention function plugged in by an exercise;
+* ``enforce_eager=True`` turns it off, as it turns CUDA graphs off on a GPU.
+
+Its output equals the Python layers' bit for bit (``tests/test_cpu_decode_layers.py``): the same kernels,
+compiled with the same flags, in the same order.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..models import cpu_kernels, cpu_products
+from ..models.llama import LlamaForCausalLM, stacked_current
+from ..models.products import Linear
+from . import cpu_attention
+
+LAYER_SOURCE = r"""
+// One decoder layer for B decode tokens (B <= 3): the Python layer's calls, in its order, from C++.
+// x [B, hidden] -> x + attention + MLP; writes the B new tokens' K/V into their slots of the [Hkv, slots, D] pools.
+torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_b,
+                           torch::Tensor o_w, torch::Tensor ln2, torch::Tensor gate_up_w, torch::Tensor down_w,
+                           double eps, int64_t heads, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_pool,
+                           torch::Tensor v_pool, torch::Tensor slots, torch::Tensor block_tables,
+                           torch::Tensor context_lens, int64_t block_size) {
+  const int64_t B = x.size(0), Hkv = k_pool.size(0), S = k_pool.size(1), D = k_pool.size(2);
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && slots.numel() == B
+              && slots.scalar_type() == torch::kLong, "decode_layer: unexpected inputs");
+  auto qkv = thin_product(rms_norm(x, ln1, eps), qkv_w, qkv_b);
+  auto q = qkv.narrow(1, 0, heads * D).view({B, heads, D});
+  auto k = qkv.narrow(1, heads * D, Hkv * D).view({B, Hkv, D});
+  auto v = qkv.narrow(1, (heads + Hkv) * D, Hkv * D).view({B, Hkv, D});
+  auto rotated = rope_qk(q, k, cos, sin);
+  const int64_t *slot = slots.data_ptr<int64_t>();
+  const float *kr = rotated[1].data_ptr<float>();
+  float *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < Hkv; ++g) {
+      std::memcpy(kp + (g * S + slot[b]) * D, kr + (b * Hkv + g) * D, D * sizeof(float));
+      std::memcpy(vp + (g * S + slot[b]) * D, v[b][g].data_ptr<float>(), D * sizeof(float));
+    }
+  auto out = paged_decode(rotated[0], k_pool, v_pool, block_tables, context_lens, block_size, 1.0 / std::sqrt((double)D));
+  x = x + thin_product(out.view({B, heads * D}), o_w, c10::nullopt);
+  auto activated = silu_mul(thin_product(rms_norm(x, ln2, eps), gate_up_w, c10::nullopt));
+  return x + thin_product(activated, down_w, c10::nullopt);
+}
+"""
+
+_module = None
+_why_not: str | None = None
+
+
+def available() -> tuple[bool, str]:
+    """Build (or load the cached build of) the layer once per process, with the kernels it calls: (True, "") or
+    (False, why not). The model kernels' flags (``-ffp-contract=off``) for all of it, as ``cpu_kernels.build``."""
+    global _module, _why_not
+    if _module is None and _why_not is None:
+        vectors = cpu_kernels.VECTORS
+        source = cpu_kernels.SOURCE + cpu_products.SOURCE + cpu_attention.SOURCE[len(vectors):] + LAYER_SOURCE
+        _module, why_not = cpu_kernels.compile_cpu_extension("cpu_decode_layer", "the CPU decode layer", source,
+                                                             ["decode_layer"], ["-ffp-contract=off"])
+        _why_not = why_not or None
+    return _module is not None, _why_not or ""
+
+
+class CpuDecodeLayers:
+    """``forward`` runs a decode-only step of at most ``thin_rows()`` tokens one C++ call per layer;
+    ``can_run`` says whether this step may (the runner asks before each forward)."""
+
+    def __init__(self, model: LlamaForCausalLM, backend):
+        self.model, self.backend = model, backend
+        self.num_steps = 0  # steps run here (the rest ran the Python layers)
+
+    def can_run(self, token_ids: torch.Tensor, batch) -> bool:
+        x, be, cfg = batch.extra, self.backend, self.model.config
+        return (_module is not None and 0 < token_ids.shape[0] <= cpu_products.thin_rows()
+                and x.get("decode") is not None and not x["prefill"] and x["prefill_seqs"] is None
+                and be.decode_attention is cpu_attention.cpu_decode_attention and be.connector is None
+                and be.k_pool[0].dtype == torch.float32 and cfg.head_dim % 16 == 0 and not cfg.qk_norm
+                and cfg.hidden_size % 16 == 0 and cfg.intermediate_size % 16 == 0 and not torch.is_grad_enabled())
+
+    def layer_weights(self, layer) -> tuple | None:
+        """What ``decode_layer`` reads of one layer, or None where the layer is not as loaded (a weight replaced,
+        quantized or not float32, a product that is not a plain ``Linear``)."""
+        a, mlp = layer.self_attn, layer.mlp
+        if not (stacked_current(a.qkv, a.q_proj, a.k_proj, a.v_proj) and mlp.gate_up is not None
+                and stacked_current((mlp.gate_up, None), mlp.gate_proj, mlp.up_proj)
+                and type(a.o_proj) is Linear and type(mlp.down_proj) is Linear and a.o_proj.bias is None):
+            return None
+        weights = (layer.input_layernorm.weight, a.qkv[0], a.o_proj.weight, layer.post_attention_layernorm.weight,
+                   mlp.gate_up, mlp.down_proj.weight)
+        if any(w.dtype != torch.float32 or not w.is_contiguous() for w in weights):
+            return None
+        ln1, qkv, o, ln2, gate_up, down = weights
+        return ln1, qkv, a.qkv[1], o, ln2, gate_up, down, layer.input_layernorm.eps, self.model.config.num_heads
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor | None:
+        """The hidden states of the step, as ``LlamaForCausalLM.forward`` gives them, or None (nothing run,
+        nothing written) where a layer is not as loaded: the caller runs the Python layers."""
+        layers = [self.layer_weights(layer) for layer in self.model.model.layers]
+        if any(w is None for w in layers):
+            return None
+        x = self.model.model.embed_tokens(token_ids)
+        cos, sin = self.model.rope_cos_sin(positions, x.dtype)
+        meta, be = batch.extra, self.backend
+        rows = meta["decode"]
+        for layer, weights in zip(self.model.model.layers, layers):
+            i = layer.self_attn.layer  # its pools (a draft model's layers come after the target's)
+            x = _module.decode_layer(x, *weights, cos, sin, be.k_pool[i], be.v_pool[i], meta["slot_mapping"],
+                                     rows.block_tables, rows.context_lens, be.block_size)
+        self.num_steps += 1
+        return self.model.model.norm(x)

@@ -1,0 +1,63 @@
+"""Small decode steps on the CPU, one C++ call per layer (``engine/cpu_decode_layers.py``): the same tokens and
+the same logprobs as the Python layers, bit for bit, and the Python layers wherever the C++ layer must step
+aside (more rows than the thin products take, an exercise's attention plugged in, quantized weights,
+``enforce_eager``). Qwen2's q/k/v bias runs through it in ``tests/test_model_variants.py`` (tokens equal to
+transformers'); Qwen3's q/k norm declines it there."""
+import pytest
+
+from labsupport import LLM, SamplingParams
+from labsupport.engine import cpu_decode_layers
+from labsupport.engine.paged_attention import paged_decode_attention
+
+from conftest import PROMPTS
+
+PARAMS = SamplingParams(max_tokens=12, temperature=0, logprobs=3)
+
+
+@pytest.fixture(scope="module")
+def built():
+    ok, why_not = cpu_decode_layers.available()
+    if not ok:
+        pytest.skip(why_not)
+
+
+@pytest.fixture(scope="module")
+def eager(llm):
+    return LLM(model=llm.engine.model_path, device="cpu", enforce_eager=True)
+
+
+def test_the_same_tokens_and_logprobs_as_the_python_layers(built, llm, eager):
+    layers = llm.engine.runner.cpu_layers
+    assert layers is not None and eager.engine.runner.cpu_layers is None
+    for batch in (1, 2, 3, 5):
+        before = layers.num_steps
+        fast = llm.generate(PROMPTS[:batch], PARAMS, use_tqdm=False)
+        slow = eager.generate(PROMPTS[:batch], PARAMS, use_tqdm=False)
+        ran = layers.num_steps - before
+        assert ran >= 11 if batch <= 3 else ran == 0  # every decode step, or none: 5 rows go to the Python layers
+        for a, b in zip(fast, slow):
+            assert a.token_ids == b.token_ids
+            assert a.logprobs == b.logprobs  # the same kernels in the same order: bit for bit
+    assert llm.engine.kv.allocator.num_free == llm.engine.kv.num_blocks  # every block back
+
+
+def test_an_exercises_attention_keeps_the_python_layers(built, llm, eager):
+    """A plugged ``decode_attention`` must run: the C++ layer would read the pool without it."""
+    layers, calls = llm.engine.runner.cpu_layers, []
+
+    def attendees(q, k_pool, v_pool, rows, block_size):
+        calls.append(q.shape[0])
+        return paged_decode_attention(q, k_pool, v_pool, rows, block_size)
+
+    before = layers.num_steps
+    with llm.engine.plugged(decode_attention=attendees):
+        out = llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0]
+    assert layers.num_steps == before and len(calls) == 11 * llm.engine.model.config.num_layers
+    assert out.token_ids == eager.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0].token_ids
+
+
+def test_quantized_weights_keep_the_python_layers(built, llm):
+    quantized = LLM(model=llm.engine.model_path, device="cpu", quantization="int8", num_blocks=64)
+    layers = quantized.engine.runner.cpu_layers
+    out = quantized.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0]
+    assert len(out.token_ids) == 12 and (layers is None or layers.num_steps == 0)
