@@ -56,8 +56,27 @@ def test_an_exercises_attention_keeps_the_python_layers(built, llm, eager):
     assert out.token_ids == eager.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0].token_ids
 
 
-def test_quantized_weights_keep_the_python_layers(built, llm):
+def test_a_replaced_weight_is_read_and_quantized_layers_keep_python(built, llm):
+    """The C++ layer keeps each layer's weights between steps; a weight or a module replaced since (here a new
+    ``down_proj`` weight, then ``bench quant``'s int8 modules put in a live engine) must be seen at once."""
+    import torch
+    from labsupport.models.quantize import quantize_model
+    own = LLM(model=llm.engine.model_path, device="cpu", num_blocks=64)
+    runner, layers = own.engine.runner, own.engine.runner.cpu_layers
+    own.generate(PROMPTS[:1], PARAMS, use_tqdm=False)  # its weights are read and kept
+    down = own.engine.model.model.layers[3].mlp.down_proj
+    down.weight = torch.nn.Parameter(down.weight.detach() * 1.5, requires_grad=False)
+    before = layers.num_steps
+    fast = own.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0]
+    assert layers.num_steps > before
+    runner.cpu_layers = None
+    slow = own.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0]
+    runner.cpu_layers = layers
+    assert fast.token_ids == slow.token_ids and fast.logprobs == slow.logprobs
+    quantize_model(own.engine.model, "int8")
+    before = layers.num_steps
+    out = own.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0]
+    assert len(out.token_ids) == 12 and layers.num_steps == before
     quantized = LLM(model=llm.engine.model_path, device="cpu", quantization="int8", num_blocks=64)
-    layers = quantized.engine.runner.cpu_layers
     out = quantized.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0]
-    assert len(out.token_ids) == 12 and (layers is None or layers.num_steps == 0)
+    assert len(out.token_ids) == 12 and quantized.engine.runner.cpu_layers.num_steps == 0

@@ -64,6 +64,12 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qkv
 
 _module = None
 _why_not: str | None = None
+_generation = 0  # bumped by PyTorch whenever a module registers a parameter or a submodule: a weight or layer replaced
+
+
+def _bump(*_):
+    global _generation
+    _generation += 1
 
 
 def available() -> tuple[bool, str]:
@@ -83,9 +89,16 @@ class CpuDecodeLayers:
     """``forward`` runs a decode-only step of at most ``thin_rows()`` tokens one C++ call per layer;
     ``can_run`` says whether this step may (the runner asks before each forward)."""
 
+    _watching = False
+
     def __init__(self, model: LlamaForCausalLM, backend):
         self.model, self.backend = model, backend
         self.num_steps = 0  # steps run here (the rest ran the Python layers)
+        self._layers, self._generation = None, -1  # each layer's weights, as of this registration generation
+        if not CpuDecodeLayers._watching:  # reading 30 layers' weights through their modules takes 0.5 ms a step:
+            CpuDecodeLayers._watching = True  # read them again only after something was replaced
+            torch.nn.modules.module.register_module_parameter_registration_hook(_bump)
+            torch.nn.modules.module.register_module_module_registration_hook(_bump)
 
     def can_run(self, token_ids: torch.Tensor, batch) -> bool:
         x, be, cfg = batch.extra, self.backend, self.model.config
@@ -113,15 +126,17 @@ class CpuDecodeLayers:
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor | None:
         """The hidden states of the step, as ``LlamaForCausalLM.forward`` gives them, or None (nothing run,
         nothing written) where a layer is not as loaded: the caller runs the Python layers."""
-        layers = [self.layer_weights(layer) for layer in self.model.model.layers]
-        if any(w is None for w in layers):
+        if self._generation != _generation:  # a weight or a module replaced since (quantized, say): look again
+            self._generation = _generation
+            layers = [(layer.self_attn.layer, self.layer_weights(layer)) for layer in self.model.model.layers]
+            self._layers = None if any(w is None for _, w in layers) else layers  # its pools' index, its weights
+        if self._layers is None:
             return None
         x = self.model.model.embed_tokens(token_ids)
         cos, sin = self.model.rope_cos_sin(positions, x.dtype)
         meta, be = batch.extra, self.backend
         rows = meta["decode"]
-        for layer, weights in zip(self.model.model.layers, layers):
-            i = layer.self_attn.layer  # its pools (a draft model's layers come after the target's)
+        for i, weights in self._layers:  # (a draft model's layers have pools after the target's)
             x = _module.decode_layer(x, *weights, cos, sin, be.k_pool[i], be.v_pool[i], meta["slot_mapping"],
                                      rows.block_tables, rows.context_lens, be.block_size)
         self.num_steps += 1
