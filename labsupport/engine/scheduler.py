@@ -13,7 +13,9 @@ chunks over several steps, sharing each step with the running decodes. ``schedul
 
 ``schedule()`` decides; ``update_from_output()`` is the only place a request moves forward after
 the model ran: computed tokens, the new token, full blocks offered to the prefix cache, and
-finishing (EOS, ``max_tokens``, the context length) with its memory freed at once.
+finishing (EOS, ``max_tokens``, the context length) with its memory freed at once. That half is
+bookkeeping, not policy, and lives in the base class ``RequestLifecycle`` (``lifecycle.py``), with
+chapter 07's requests whose KV comes from, or goes to, another engine.
 
 The small methods (``num_new_tokens``, ``add_to_batch``, ``admit``, ``preempt``) and the KV
 manager's ``can_allocate`` are what a policy is written with: chapter 04's exercise writes
@@ -28,8 +30,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVManager, PrefixHit
+from .lifecycle import RequestLifecycle
 from .request import Request, RequestStatus
-from .spec_decode import count_verification, spec_counters
+from .spec_decode import spec_counters
 
 
 @dataclass
@@ -96,7 +99,7 @@ def admit_one(s, req: Request, out: SchedulerOutput, budget_left: int) -> int:
     return n
 
 
-class Scheduler:
+class Scheduler(RequestLifecycle):
     def __init__(self, config, kv: KVManager, eos_token_ids=()):
         self.config = config  # the engine's EngineConfig, read at every step: one truth for every option
         self.kv = kv
@@ -236,170 +239,13 @@ class Scheduler:
         self.preempted.append(req)
         self.waiting.appendleft(req)
 
-    # ------------------------------------------------------------------ after the model ran
-
-    def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
-        """Advance every request of the step; returns those that received a token (finished ones too).
-
-        A request that was fed its last pending token gets the sampled token; a prompt chunk that
-        is not the last one gets nothing (its sample is not a next token). Without a KV cache
-        nothing stays computed, so the next step feeds the whole sequence again. With speculative
-        decoding (chapter 09) a request may get several tokens: its accepted guesses, then the
-        sampled one; the K/V of its rejected guesses is rolled back (not computed, blocks freed).
-        """
-        now = time.perf_counter()
-        got_token = []
-        self.record_prompt_logprobs(out, sampled)
-        logprobs = getattr(sampled, "logprobs", None) or [None] * len(sampled)  # a plain list: tokens only
-        accepted_all = getattr(sampled, "spec_accepted", {})
-        for i, (req, n, token, token_logprobs) in enumerate(zip(out.requests, out.num_new_tokens, sampled, logprobs)):
-            start = req.num_computed_tokens
-            guessed = max(0, start + n - req.num_tokens)  # guesses fed after the real tokens
-            fed = n - guessed
-            self.counters["prompt_tokens_computed"] += max(0, min(len(req.prompt_token_ids), start + fed) - start)
-            accepted = accepted_all.get(i, [])
-            if guessed:
-                count_verification(self.counters, guessed, len(accepted))
-            req.spec_token_ids, req.spec_draft_probs, req.num_new_output_tokens = [], None, 0
-            if start + fed < req.num_tokens:
-                req.num_computed_tokens = start + fed if self.kv.keeps_kv else 0
-                self.kv.cache_full_blocks(req)
-                continue  # a prompt chunk: more to feed before the next token
-            new_logprobs = [*getattr(sampled, "spec_logprobs", {}).get(i, [None] * len(accepted)), token_logprobs]
-            reason = None
-            for new_token, new_lp in zip([*accepted, token], new_logprobs):
-                req.output_token_ids.append(new_token)
-                if new_lp is not None:
-                    req.logprobs.append(new_lp)
-                req.metrics.token_times.append(now)
-                req.metrics.first_token_time = req.metrics.first_token_time or now
-                req.num_new_output_tokens += 1
-                self.counters["generation_tokens"] += 1
-                reason = self.stop_reason(req, new_token)
-                if reason is not None:
-                    break  # tokens after a stop are dropped, as plain decoding would never have made them
-            # the K/V of the fed token and of the accepted guesses is valid; the rest is rolled back
-            req.num_computed_tokens = min(start + fed + len(accepted), req.num_tokens - 1) if self.kv.keeps_kv else 0
-            self.kv.cache_full_blocks(req)
-            if guessed:
-                self.kv.trim(req)                       # blocks that held only rejected guesses go back
-            if req.num_seqs > 1:
-                self.fork_samples(req)                  # n > 1: the prompt is computed, the samples start
-            got_token.append(req)
-            if reason is not None:
-                self.finish(req, reason)
-                out.finished.append(req)
-        return got_token
-
-    def fork_samples(self, req: Request):
-        """``n > 1``: the prompt's KV is computed (once), so samples 1 .. n-1 start now from the same blocks,
-        shared. Each recomputes the prompt's last token to draw its own first token (the logits of that
-        position are gone), and that write is the first copy-on-write of the shared last block."""
-        for i in range(1, req.params.n):
-            child = req.fork(i)
-            child.num_computed_tokens = len(req.prompt_token_ids) - 1
-            self.kv.fork(req, child)
-            child.status = RequestStatus.RUNNING
-            req.samples.append(child)
-            self.running.append(child)
-
     def num_running_seqs(self) -> int:
         return sum(r.num_seqs for r in self.running)
-
-    @staticmethod
-    def record_prompt_logprobs(out: SchedulerOutput, sampled: list[int]):
-        """Store the prompt logprobs the runner computed this step (a prompt may come in chunks)."""
-        for i, (first, found) in getattr(sampled, "prompt_logprobs", {}).items():
-            recorded = out.requests[i].prompt_logprobs
-            recorded.extend([None] * (first - len(recorded)))  # no gap with the engine's own scheduling
-            recorded[first:first + len(found)] = found
-
-    def stop_reason(self, req: Request, token: int) -> str | None:
-        """EOS or a stop token id ends a request once ``min_tokens`` tokens came before it (the sampler
-        does not draw them earlier; this holds for any runner); ``max_tokens`` and the context always do."""
-        if len(req.output_token_ids) > req.params.min_tokens:
-            if token in self.eos_token_ids and not req.params.ignore_eos:
-                return "stop"
-            if token in req.params.stop_token_ids:
-                return "stop"
-        if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.longest:
-            return "length"
-        return None
 
     @property
     def longest(self) -> int:
         """The most tokens a request may have: the context, or a pool smaller than it."""
         return min(self.config.max_model_len, self.kv.capacity)
-
-    def finish(self, req: Request, reason: str):
-        """The request leaves (done, stopped by a stop string, aborted, failed): its memory is freed now,
-        unless the KV connector keeps it for another engine to pull, or a load is still writing into it."""
-        if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
-        elif req.status is RequestStatus.WAITING:
-            self.waiting.remove(req)
-        elif req.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:
-            return  # finished already
-        loading = req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
-        req.status, req.finish_reason = RequestStatus.FINISHED, reason
-        req.metrics.finished_time = time.perf_counter()
-        if loading:
-            return  # its blocks go when the load ends (poll_connector): the load may still be writing them
-        if self.connector is not None:
-            delay_free, req.kv_transfer_params = self.connector.request_finished(req, list(req.block_table))
-            if delay_free:
-                self.held[req.request_id] = req
-                return
-        self.kv.release(req)
-
-    # ------------------------------------------------------------------ KV from and to other engines (ch. 07)
-
-    def start_remote_load(self, req: Request, hit: PrefixHit) -> bool | None:
-        """Ask the connector whether ``req``'s prompt KV can come from elsewhere; if so, reserve the blocks,
-        tell the connector which, and park the request until it lands. False: compute it here. None: its
-        KV can come, but there is no room for it yet; it waits at the head of the queue, as any request
-        would (computing it here instead would put a prefill back on the decode worker)."""
-        ext, load_async = self.connector.get_num_new_matched_tokens(req, hit.num_tokens)
-        if ext <= 0 or not load_async:
-            return False
-        if not self.kv.can_allocate(req, ext, hit):
-            return None
-        self.waiting.remove(req)
-        req.num_computed_tokens = self.kv.use_cached_prefix(req, hit)
-        self.kv.allocate(req, ext, offer=False)  # not offered to the prefix cache before the KV is in
-        self.connector.update_state_after_alloc(req, list(req.block_table), ext)
-        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self.loading[req.request_id] = req
-        return True
-
-    def poll_connector(self):
-        """Free blocks that were pulled (or whose lease expired); requests whose KV landed go back to the
-        head of the queue with all but the last prompt token computed (its logits give the next token);
-        a failed load follows ``kv_load_failure_policy``: compute the prompt here, or fail the request."""
-        done_sending, done_recving = self.connector.get_finished()
-        for rid in done_sending:
-            req = self.held.pop(rid, None)
-            if req is not None:
-                self.kv.release(req)
-        failed = self.connector.get_failed_loads()
-        for rid in [*done_recving, *failed]:
-            req = self.loading.pop(rid, None)
-            if req is None:
-                continue
-            req.kv_load_done = True
-            if req.is_finished:  # aborted while loading: the load has ended, the blocks may go
-                self.kv.release(req)
-                continue
-            if rid in failed and self.connector.failure_policy == "fail":
-                req.status = RequestStatus.WAITING
-                self.waiting.appendleft(req)
-                self.finish(req, "error")
-                continue
-            if rid not in failed:
-                req.num_external_tokens = len(req.prompt_token_ids) - 1 - req.num_computed_tokens
-                req.num_computed_tokens = len(req.prompt_token_ids) - 1
-            req.status = RequestStatus.WAITING
-            self.waiting.appendleft(req)
 
     def stats(self) -> dict:
         return {"num_preemptions": self.num_preemptions, "num_requests_running": len(self.running),

@@ -95,9 +95,10 @@ MECHANISMS = [dict(zip(("mechanism", "chapter", "ours", "vllm", "differs"), (m, 
     ("Chunked prefill", "05", "engine/scheduler.py:chunk_rule engine/config.py:EngineConfig.long_prefill_token_threshold",
      "config/scheduler.py:SchedulerConfig.enable_chunked_prefill config/scheduler.py:SchedulerConfig.long_prefill_token_threshold",
      "on by default in vLLM, off in ours; vLLM can adapt the threshold (long_prefill_token_threshold_adaptive)"),
-    ("CUDA graphs", "GPU", "engine/cuda_graphs.py:DecodeGraphs",
+    ("CUDA graphs", "GPU", "engine/cuda_graphs.py:DecodeGraphs engine/cpu_decode_layers.py:CpuDecodeLayers",
      "v1/cudagraph_dispatcher.py:CudagraphDispatcher compilation/cuda_graph.py:CUDAGraphWrapper",
-     "ours: full graphs of decode steps; vLLM also captures piecewise graphs for mixed batches"),
+     "ours: full graphs of decode steps (on the CPU, one C++ call per layer instead); "
+     "vLLM also captures piecewise graphs for mixed batches"),
     ("Fused kernels", "GPU", "models/fused_kernels.py:triton_rope_qk models/cpu_kernels.py:cpu_rope_qk "
      "models/cpu_kernels.py:cpu_rms_norm models/cpu_kernels.py:cpu_silu_mul models/llama.py:fuse_projections",
      "model_executor/layers/rotary_embedding/base.py:RotaryEmbedding model_executor/layers/layernorm.py:RMSNorm "
@@ -134,7 +135,7 @@ MECHANISMS = [dict(zip(("mechanism", "chapter", "ours", "vllm", "differs"), (m, 
      f"{NIXL}pull_scheduler.py:NixlPullConnectorScheduler.request_finished {NIXL}base_scheduler.py:NixlBaseConnectorScheduler",
      "both 30 s by default (kv_lease_duration); waiting decode instances renew NIXL's with heartbeats"),
     ("Waiting for remote KV", "07", "engine/request.py:RequestStatus.WAITING_FOR_REMOTE_KVS "
-     "engine/scheduler.py:Scheduler.poll_connector",
+     "engine/lifecycle.py:RequestLifecycle.poll_connector",
      f"v1/request.py:RequestStatus.WAITING_FOR_REMOTE_KVS {SCHED}._update_waiting_for_remote_kv",
      "the same status: the request holds blocks, not a batch slot"),
     ("kv_transfer_config", "07", "serve/server.py:kv_transfer_config",
