@@ -25,15 +25,19 @@ Together the two took 0.9 ms off a 17 ms batch-1 decode step (in one process, on
 
 **Building.** ``compile_cpu_extension`` compiles a source once per machine with
 ``torch.utils.cpp_extension`` (a C++ compiler, ``ninja``, 20-40 s; cached under
-``~/.cache/torch_extensions``, one build per instruction set so a shared cache stays safe).
+``~/.cache/torch_extensions``, one build per instruction set so a shared cache stays safe, and one per
+Python environment: ninja rebuilds whenever the compile command changes, and two environments' commands
+differ in their include paths, so two venvs sharing one folder would rebuild each other's every start).
 The engine builds these kernels when it starts on a CPU, and ``python -m labsupport prepare`` ahead
 of that, so no chapter waits on a compiler mid-step; a forward pass only uses what is already built.
 Where nothing can be built (a laptop without a compiler), the reason is kept and PyTorch's code runs.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
+import sys
 import threading
 
 import torch
@@ -194,13 +198,26 @@ def compile_cpu_extension(name: str, what: str, source: str, functions: list[str
                 cap = torch.backends.cpu.get_cpu_capability()  # one build per instruction set
                 vector = ["-mavx2", "-mfma"] if cap in ("AVX2", "AVX512") else []  # 16 % faster than SSE2 here
                 vector += ["-mavx512f"] if cap == "AVX512" else []  # VECTORS: sixteen floats wide
-                module = load_inline(f"labsupport_{name}_{cap.lower()}", cpp_sources=[source], functions=functions,
+                module_name = f"labsupport_{name}_{cap.lower()}"
+                module = load_inline(module_name, cpp_sources=[source], functions=functions,
                                      extra_cflags=["-O3", "-fopenmp", *vector, *extra_cflags],
-                                     extra_ldflags=["-fopenmp"], verbose=False)
+                                     extra_ldflags=["-fopenmp"], build_directory=_build_directory(module_name),
+                                     verbose=False)
                 _built[name] = (module, "")
             except Exception as exc:  # no compiler, no headers, an unsupported platform: keep the PyTorch path
                 _built[name] = (None, f"{what} could not be built ({type(exc).__name__}: {str(exc)[:300]})")
         return _built[name]
+
+
+def _build_directory(module_name: str) -> str:
+    """``~/.cache/torch_extensions/labsupport-<environment>/<module>`` (``TORCH_EXTENSIONS_DIR`` moves the root):
+    one folder per Python environment and torch version, so that two venvs (a clone's CI run beside a working
+    copy, a notebook kernel beside a terminal) never rebuild each other's extensions."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
+    environment = hashlib.sha1(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:10]
+    path = os.path.join(root, f"labsupport-{environment}", module_name)
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def _put_ninja_on_path():
