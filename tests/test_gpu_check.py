@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from labsupport.bench import gpu_check
+from labsupport.bench import gpu_check, gpu_decode
 
 PARTS = ("kernel", "decode", "w1")
 
@@ -26,7 +26,7 @@ def test_quick_run_on_the_cpu_reports_every_part(tmp_path):
     assert report["ok"] and report["quick"] and report["copy_gb_s"] > 0
     kernel = report["kernel"]
     assert len(kernel["agreement"]) == 4 and all(row["ok"] for row in kernel["agreement"].values())
-    assert set(kernel["timing"]) == set(gpu_check.HEAD_SHAPES)
+    assert set(kernel["timing"]) == set(gpu_decode.HEAD_SHAPES)
     for name in ("llama-3.1-8b", "smollm2-135m"):
         row = report["decode"][name]
         assert row["weight_bytes"] > 0 and row["kv_bytes"] > 0
@@ -39,7 +39,12 @@ def test_quick_run_on_the_cpu_reports_every_part(tmp_path):
     assert less["spec_identity"]["draft_model"]["acceptance_length"] > 3  # the model drafting for itself: all kept
     assert all(row["verify_ms"] > 0 and row["decode_ms"] > 0 for row in less["verify_cost"]["rows"].values())
     assert less["quantized_decode"]["int8"]["B=1_ms"] > 0 and less["quantized_decode"]["int4"]["paths"]
-    for line in ("[1] kernel", "[2] decode step", "[3] W1", "[4] compute less", "total"):
+    chunked = report["chunked_prefill"]
+    assert chunked["blocks_free"] and set(chunked["runs"]) == {"whole", "chunk 16", "chunk 32"}
+    assert all(run["same_tokens_as_whole"] == 1.0 for run in chunked["runs"].values())  # fp32: the same tokens
+    assert chunked["runs"]["chunk 16"]["steps"] > chunked["runs"]["whole"]["steps"]  # 64-token prompts in chunks
+    assert chunked["runs"]["chunk 16"]["mixed_step_prompt_tokens"] <= 16
+    for line in ("[1] kernel", "[2] decode step", "[3] W1", "[4] compute less", "[5] chunked prefill", "total"):
         assert line in run.stdout
 
 

@@ -66,7 +66,7 @@ def _decoding(llm, batch: int, context: int, seed: int = 0):
 def _time_step(llm, device, iters: int) -> float:
     """Median seconds of the runner's forward pass on the batch the scheduler makes now; the requests are
     not advanced (no ``update_from_output``), so the same batch can be scheduled and timed again."""
-    from .gpu_check import sync
+    from .gpu_decode import sync
 
     out = llm.engine.scheduler.schedule()
     runner = llm.engine.runner
@@ -130,7 +130,7 @@ def check_quantized_decode(device, quick: bool, dtype) -> dict:
 
 
 def check_compute_less(device, quick: bool, dtype) -> dict:
-    from .gpu_check import free_memory
+    from .gpu_decode import free_memory
 
     report = {"spec_identity": check_spec_identity(device, dtype)}
     free_memory(device)
