@@ -19,6 +19,8 @@ from __future__ import annotations
 import random
 import statistics
 
+from .gpu_decode import random_llm
+
 
 def _workload(vocab: int, num_decoding: int, decode_tokens: int, long_tokens: int, num_long: int = 2,
               long_start: int = 4, long_every: int = 16):
@@ -61,14 +63,12 @@ def _run(llm, workload, chunked: bool, budget: int) -> dict:
 
 
 def check_chunked_prefill(device, quick: bool, dtype) -> dict:
-    from .gpu_compute_less import _engine
-
     if quick:
         spec, num_decoding, decode_tokens, long_tokens, chunks = "random:tiny", 2, 8, 64, (16, 32)
     else:  # chapter 05's parameters x its GPU_SCALE of 4
         spec, num_decoding, decode_tokens, long_tokens, chunks = "random:llama-3.1-8b", 16, 48, 4096, (256, 512, 1024, 2048)
     num_blocks = (num_decoding * -(-(32 + decode_tokens + 1) // 16) + 2 * -(-(long_tokens + 9) // 16)) * 2 + 16
-    llm = _engine(spec, device, dtype, num_blocks)
+    llm = random_llm(spec, device, dtype, num_blocks)
     workload = _workload(llm.engine.model.config.vocab_size, num_decoding, decode_tokens, long_tokens)
     _run(llm, workload, chunked=False, budget=2 * long_tokens)  # warm-up: kernels compiled, CUDA graphs captured
     whole = _run(llm, workload, chunked=False, budget=2 * long_tokens)

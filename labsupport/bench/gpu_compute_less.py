@@ -20,13 +20,9 @@ import random
 
 import torch
 
+from .gpu_decode import free_memory, random_llm, sync
+
 K = 4  # guesses per verify step
-
-
-def _engine(spec: str, device, dtype, num_blocks: int, **options):
-    from .. import LLM
-    return LLM(model=spec, device=str(device), dtype=str(dtype).removeprefix("torch."), num_blocks=num_blocks,
-               block_size=16, **options)
 
 
 def check_spec_identity(device, dtype) -> dict:
@@ -34,13 +30,13 @@ def check_spec_identity(device, dtype) -> dict:
 
     prompts = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], list(range(40, 60))]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    plain = _engine("random:tiny", device, torch.float32, 64)
+    plain = random_llm("random:tiny", device, torch.float32, 64)
     want = [o.token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
     out = {}
     for name, spec in (("ngram", {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3,
                                   "prompt_lookup_min": 1}),
                        ("draft_model", {"method": "draft_model", "model": "random:tiny", "num_speculative_tokens": K})):
-        llm = _engine("random:tiny", device, torch.float32, 64, speculative_config=spec)
+        llm = random_llm("random:tiny", device, torch.float32, 64, speculative_config=spec)
         got = [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
         s = llm.stats()
         out[name] = {"same_tokens": got == want, "blocks_free": s["kv_blocks_free"] == s["kv_blocks_total"],
@@ -66,8 +62,6 @@ def _decoding(llm, batch: int, context: int, seed: int = 0):
 def _time_step(llm, device, iters: int) -> float:
     """Median seconds of the runner's forward pass on the batch the scheduler makes now; the requests are
     not advanced (no ``update_from_output``), so the same batch can be scheduled and timed again."""
-    from .gpu_decode import sync
-
     out = llm.engine.scheduler.schedule()
     runner = llm.engine.runner
     times = []
@@ -92,7 +86,7 @@ def _time_step(llm, device, iters: int) -> float:
 def check_verify_cost(device, quick: bool, dtype) -> dict:
     spec, batches, context, iters = ("random:tiny", (1, 4), 32, 3) if quick else ("random:llama-3.1-8b",
                                                                                    (1, 8, 32, 64), 512, 10)
-    llm = _engine(spec, device, dtype, max(batches) * (-(-(context + 80) // 16)) + 8, enforce_eager=True,
+    llm = random_llm(spec, device, dtype, max(batches) * (-(-(context + 80) // 16)) + 8, enforce_eager=True,
                   speculative_config={"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 2,
                                       "prompt_lookup_min": 1})
     rows = {}
@@ -117,7 +111,7 @@ def check_quantized_decode(device, quick: bool, dtype) -> dict:
     spec, batches, context, iters = ("random:tiny", (1, 4), 32, 3) if quick else ("random:llama-3.1-8b", (1, 16), 512, 10)
     out = {"model": spec, "context": context}
     for method in (None, "int8", "int4"):
-        llm = _engine(spec, device, dtype, max(batches) * (-(-(context + 80) // 16)) + 8, enforce_eager=True,
+        llm = random_llm(spec, device, dtype, max(batches) * (-(-(context + 80) // 16)) + 8, enforce_eager=True,
                       quantization=method)
         row = {"paths": (llm.engine.quantization_report or {}).get("paths")}
         for b in batches:
@@ -130,8 +124,6 @@ def check_quantized_decode(device, quick: bool, dtype) -> dict:
 
 
 def check_compute_less(device, quick: bool, dtype) -> dict:
-    from .gpu_decode import free_memory
-
     report = {"spec_identity": check_spec_identity(device, dtype)}
     free_memory(device)
     report["verify_cost"] = check_verify_cost(device, quick, dtype)

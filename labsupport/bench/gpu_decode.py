@@ -197,18 +197,23 @@ def free_memory(device):
         torch.cuda.empty_cache()
 
 
+def random_llm(spec: str, device, dtype, num_blocks: int, **options):
+    """An ``LLM`` on a ``random:`` model of a real shape (no files), with a KV pool of ``num_blocks``."""
+    from .. import LLM
+    return LLM(model=spec, device=str(device), dtype=str(dtype).removeprefix("torch."), num_blocks=num_blocks,
+               block_size=BLOCK_SIZE, **options)
+
+
 # ------------------------------------------------------------------ 3. W1 through the engine
 
 def check_w1(device, quick: bool, dtype) -> dict:
-    from .. import LLM
     from .driver import run_workload
     from .metrics import summarize
     from .workload import BenchRequest
 
     spec, (n, n_in, n_out) = ("random:tiny", (4, 32, 8)) if quick else ("random:smollm2-135m", (32, 200, 128))
     num_blocks = n * -(-(n_in + n_out + 1) // BLOCK_SIZE) + 16
-    llm = LLM(model=spec, device=str(device), dtype=str(dtype).removeprefix("torch."), num_blocks=num_blocks,
-              block_size=BLOCK_SIZE)
+    llm = random_llm(spec, device, dtype, num_blocks)
     rng = random.Random(0)
     vocab = llm.engine.model.config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(n_in)] for _ in range(n)]
