@@ -16,23 +16,10 @@ tokens equal to the unchunked run's is reported, not asserted (the CPU's chapter
 """
 from __future__ import annotations
 
-import random
 import statistics
 
 from .gpu_decode import random_llm
-
-
-def _workload(vocab: int, num_decoding: int, decode_tokens: int, long_tokens: int, num_long: int = 2,
-              long_start: int = 4, long_every: int = 16):
-    """Chapter 05's mix (``bench.long_prompt_workload``) as token ids: a random model has no text."""
-    from .workload import BenchRequest
-
-    rng = random.Random(0)
-    short = [BenchRequest(0.0, [rng.randrange(vocab) for _ in range(32)], decode_tokens, f"short-{i}")
-             for i in range(num_decoding)]
-    long_ = [BenchRequest(float(long_start + j * long_every), [rng.randrange(vocab) for _ in range(long_tokens)], 8,
-                          f"long-{j}") for j in range(num_long)]
-    return short + long_
+from .workload import long_prompt_workload
 
 
 def _run(llm, workload, chunked: bool, budget: int) -> dict:
@@ -69,7 +56,10 @@ def check_chunked_prefill(device, quick: bool, dtype) -> dict:
         spec, num_decoding, decode_tokens, long_tokens, chunks = "random:llama-3.1-8b", 16, 48, 4096, (256, 512, 1024, 2048)
     num_blocks = (num_decoding * -(-(32 + decode_tokens + 1) // 16) + 2 * -(-(long_tokens + 9) // 16)) * 2 + 16
     llm = random_llm(spec, device, dtype, num_blocks)
-    workload = _workload(llm.engine.model.config.vocab_size, num_decoding, decode_tokens, long_tokens)
+    # the chapter's own workload; a random model's tokenizer turns its text into bytes
+    workload = long_prompt_workload(llm.tokenizer, num_decoding=num_decoding, decode_input_len=32,
+                                    decode_output_len=decode_tokens, num_long=2, long_input_len=long_tokens,
+                                    long_output_len=8, long_start=4, long_every=16)
     _run(llm, workload, chunked=False, budget=2 * long_tokens)  # warm-up: kernels compiled, CUDA graphs captured
     whole = _run(llm, workload, chunked=False, budget=2 * long_tokens)
     runs = {"whole": whole} | {f"chunk {c}": _run(llm, workload, chunked=True, budget=c) for c in chunks}
