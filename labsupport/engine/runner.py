@@ -40,7 +40,7 @@ class ModelRunner:
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = None
-        if self.cpu_layers is not None and self.cpu_layers.backend is self.backend and self.cpu_layers.can_run(ids, meta):
+        if self.cpu_layers is not None and self.cpu_layers.can_run(ids, meta):
             hidden = self.cpu_layers.forward(ids, pos, meta)  # None: a layer is not as loaded
         if hidden is None:
             hidden = self.model(ids, pos, self.backend, meta)
