@@ -10,7 +10,7 @@ CHAPTERS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 NBVAL  := --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout 900
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab test test-vllm setup model unit nbval slides slides-deps browser-deps exercises execute clean gpu-check vllm vllm-env
+.PHONY: lab test test-vllm setup model unit nbval slides slides-deps browser-deps exercises execute clean gpu-check vllm vllm-env clients serve-compare
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -103,6 +103,19 @@ else
 	printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > $$site/vllm-0.32.0.dist-info/METADATA
 endif
 	touch $@
+
+# Outside clients for `bench serve-compare` in their own venv (they pin their own transformers): guidellm.
+CLIENTS_VENV := .venv-clients
+clients: $(CLIENTS_VENV)/.installed
+$(CLIENTS_VENV)/.installed:
+	test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/pip install guidellm==0.8.1
+	touch $@
+
+# Our server and `vllm serve`, one after the other, under vllm bench serve, guidellm and the openai SDK
+# (~15 min on the 2-core CPU; SERVE_COMPARE_ARGS="--quick" for a smoke test).
+serve-compare: model vllm clients
+	$(BIN)/python -m labsupport bench serve-compare $(SERVE_COMPARE_ARGS)
 
 clean:
 	rm -rf $(VENV) slides/node_modules slides/build slides/figures tests/browser/node_modules

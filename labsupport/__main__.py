@@ -111,6 +111,15 @@ def main(argv=None):
             options.update(scheduling_policy=args.scheduling_policy, enable_chunked_prefill=args.enable_chunked_prefill,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            long_prefill_token_threshold=args.long_prefill_token_threshold)
+        if args.command == "serve" and not args.engine_in_process:  # the engine core in its own process
+            from .serve.core_client import EngineCoreStartError
+            from .serve.server import run_server, start_engine_core
+            try:
+                core = start_engine_core(dict(model=args.model, device=args.device, dtype=args.dtype, **options), args)
+            except EngineCoreStartError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2 if exc.bad_option else 1
+            return run_server(core, args)
         llm = LLM(model=args.model, device=args.device, dtype=args.dtype,
                   enable_result_cache=getattr(args, "enable_result_cache", False), **options)
         if args.command == "generate":

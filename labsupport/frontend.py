@@ -48,8 +48,21 @@ class PreparedRequest:
 
 class Frontend:
     def __init__(self, engine, model_name: str, result_cache: ResultCache | None = None):
+        """``engine``: an ``LLMEngine``, or anything with its ``tokenizer``, ``limits`` and ``check_prompt``
+        (``serve.core_client.RemoteEngine``: the engine in another process); ``submit`` and ``complete``
+        need a real one."""
         self.engine, self.model_name, self.result_cache = engine, model_name, result_cache
         self.tokenizer = engine.tokenizer
+        self._max_piece = None
+
+    def at_least_tokens(self, chars: int) -> int:
+        """A lower bound on the tokens of ``chars`` characters of text, without tokenizing it: no token
+        covers more characters than its vocabulary's longest piece. It lets the server refuse a prompt
+        that cannot fit the context before spending seconds of a core on tokenizing megabytes."""
+        if self._max_piece is None:
+            vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+            self._max_piece = max(map(len, vocab), default=1) or 1
+        return chars // self._max_piece
 
     def tokenize(self, prompt) -> tuple[list[int], str | None]:
         """Return ``(token_ids, text)`` for any accepted prompt form."""
@@ -104,8 +117,8 @@ class Frontend:
         return self.remember(prepared, self.engine.output(req))
 
     def remember(self, prepared: PreparedRequest, out: RequestOutput) -> RequestOutput:
-        """Store a complete deterministic answer in the result cache; returns ``out``. The server calls
-        this on its event loop, the one thread that reads the cache, so no lock is needed."""
+        """Store a complete deterministic answer in the result cache; returns ``out`` (the cache locks
+        itself: the server looks requests up on its tokenizing threads)."""
         if prepared.cache_key is not None and out.finish_reason in ("stop", "length"):
             self.result_cache.put(prepared.cache_key, out.copy())  # a copy: the caller may change what it got
         return out

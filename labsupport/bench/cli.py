@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-SUBCOMMANDS = ("compare", "roofline", "profile", "serve", "course-table", "spec", "roofline-lab", "quant", "capstone")
+SUBCOMMANDS = ("compare", "roofline", "profile", "serve", "course-table", "spec", "roofline-lab", "quant", "capstone",
+               "serve-compare")
 OWN_PARSERS = {"roofline-lab": "roofline_lab", "quant": "quant"}  # chapter 09's: they parse their own flags
 
 
@@ -42,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     from . import capstone
     capstone.add_arguments(sub.add_parser("capstone", help="the course engine with every technique, each one off, "
                                                            "transformers serve and vLLM on five traffics: a decision"))
+    from . import serve_compare
+    serve_compare.add_arguments(sub.add_parser("serve-compare", help="our server and vllm serve, one after the other, "
+                                                                     "under vllm bench serve, guidellm and the openai SDK"))
     return parser
 
 
@@ -58,6 +62,10 @@ def main(argv: list[str]) -> int:
         if args.subcommand == "capstone":  # records the busy check (at its start) in its JSON
             from .capstone import main as capstone_main
             return capstone_main(args)
+        if args.subcommand == "serve-compare":
+            warn_if_busy()
+            from .serve_compare import main as serve_compare_main
+            return serve_compare_main(args)
         if args.subcommand == "serve":  # the server under test shares the machine: no busy check
             from .serve_cli import main as serve_main
             return serve_main(args)

@@ -54,6 +54,8 @@ class EngineConfig:
     kv_transfer_config: dict | None = None  # chapter 07: a KV connector, as vLLM's --kv-transfer-config
     speculative_config: dict | None = None  # chapter 09: {"method": "ngram"|"draft_model", ...}, as vLLM's
     quantization: str | None = None  # chapter 09: weight-only "int8" (per channel) or "int4" (groups of 32)
+    detokenize: bool = True  # False: text and stop strings are the caller's (the server's frontend process does
+    # them for its engine-core process, as vLLM V1's API server does); the engine gives token ids only
     cpu_decode_kernel: bool = True  # CPU, paged: attention read in place by compiled C++ kernels, the decode
     # rows' (engine/cpu_attention.py) and, in float32, the prefills' (engine/cpu_prefill.py)
 
@@ -74,7 +76,7 @@ class EngineConfig:
         if not isinstance(util, (int, float)) or isinstance(util, bool) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1] of the GPU's total memory, "
                              f"got {util!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "cpu_decode_kernel"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "cpu_decode_kernel", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if (self.enable_prefix_caching or self.cpu_offload_blocks) and self.kv_cache != "paged":

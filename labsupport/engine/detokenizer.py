@@ -65,3 +65,29 @@ class IncrementalDetokenizer:
         cut = min(found)
         self.text = self.text[:cut]
         return self.text[start:] if cut > start else "", True
+
+
+def catch_up(detok: IncrementalDetokenizer, output_token_ids: list[int], num_new: int, finished: bool,
+             finish_reason: str | None) -> int | None:
+    """Feed ``detok`` a request's newest ``num_new`` tokens (several with speculative decoding), one at a
+    time, so a stop string is found at the token that completed it. Returns how many output tokens to
+    keep when a stop string ended the request (tokens past it were never meant to exist: plain decoding
+    would have stopped there), else None. EOS or a stop token id (``finish_reason == "stop"`` on the
+    last token) adds no text, as in vLLM. The engine calls this after each step; so does the server's
+    frontend process, which detokenizes for an engine core that does not (``serve/core_client.py``)."""
+    total = len(output_token_ids)
+    for upto in range(total - max(1, num_new) + 1, total + 1):
+        ids = output_token_ids[:upto]
+        if upto == total and finish_reason == "stop":
+            ids = ids[:-1]
+        _, stopped = detok.update(ids, flush=finished and upto == total)
+        if stopped:
+            return upto
+    return None
+
+
+def streamable(text: str, stop: list[str], finished: bool) -> str:
+    """The text a client may be sent already: while a request runs, the last characters that could still
+    turn out to begin a stop string are held back (they may yet be cut)."""
+    hold = max((len(s) for s in stop), default=1) - 1
+    return text if finished or hold == 0 else text[:max(0, len(text) - hold)]

@@ -19,12 +19,12 @@ import torch
 from ..models.loader import load_model, resolve_device
 from ..models import cpu_kernels
 from . import build, cpu_memory
-from .block_pool import blocks_needed
 from .config import EngineConfig
 from .cpu_decode_layers import CpuDecodeLayers
 from .cuda_graphs import DecodeGraphs
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import IncrementalDetokenizer, catch_up
 from .kv_cache_manager import ContiguousKVManager, KVCacheManager
+from .limits import EngineLimits
 from .paged_attention import PagedAttention
 from .plug_points import PlugPoints
 from .request import Request, RequestOutput, SamplingParams
@@ -101,31 +101,24 @@ class LLMEngine(PlugPoints):
         req = Request(prompt_token_ids, params, request_id, prompt, cache_salt)
         if not params.ignore_eos:
             req.all_stop_token_ids |= self.scheduler.eos_token_ids  # min_tokens holds EOS back too
-        self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
-                                                                   params.stop, params.min_tokens)
+        if self.config.detokenize:
+            self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                                                       params.stop, params.min_tokens)
         self.scheduler.add_request(req)
         return req
+
+    @property
+    def limits(self) -> EngineLimits:
+        """What a prompt must satisfy here, read afresh (chunked prefill can change on a live engine)."""
+        paged = isinstance(self.kv, KVCacheManager)
+        return EngineLimits(self.max_model_len, self.model.config.vocab_size, self.config.max_num_batched_tokens,
+                            self.config.enable_chunked_prefill, self.kv.num_blocks if paged else None,
+                            self.kv.block_size if paged else None, self.connector is not None)
 
     def check_prompt(self, prompt_token_ids: list[int]):
         """Raise ValueError, saying what to change, for a prompt this engine can never run."""
         self.check_alive()
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty: give at least one token of text")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
-            raise ValueError("prompt token ids must be integers")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is "
-                             f"{self.max_model_len}: shorten the prompt or raise max_model_len")
-        if not self.config.enable_chunked_prefill and len(prompt_token_ids) > self.config.max_num_batched_tokens:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, more than max_num_batched_tokens="
-                             f"{self.config.max_num_batched_tokens}: raise it or set enable_chunked_prefill=True")
-        if (isinstance(self.kv, KVCacheManager)
-                and blocks_needed(len(prompt_token_ids) + 1, self.kv.block_size) > self.kv.num_blocks):
-            raise ValueError(f"the prompt needs more KV blocks than the pool has ({self.kv.num_blocks}): "
-                             "raise num_blocks or kv_cache_memory_bytes, or shorten the prompt")
-        vocab = self.model.config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        self.limits.check_prompt(prompt_token_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -149,7 +142,12 @@ class LLMEngine(PlugPoints):
                 return []
             sampled = self.runner.execute(out)                            # mechanism: one forward pass
             got_token = self.scheduler.update_from_output(out, sampled)  # the one writer of request state
-            self.detokenize(got_token, out)                               # new text, stop strings
+            if self.config.detokenize:
+                self.detokenize(got_token, out)                           # new text, stop strings
+            else:                                                         # the caller detokenizes (serve/core_client.py)
+                for req in got_token:
+                    if req.is_finished:
+                        self._forget(req)
             if self.speculator is not None:                               # chapter 09: the next guesses
                 self.speculator.propose([r for r in got_token if not r.is_finished], self.scheduler.longest)
         except BaseException as exc:
@@ -167,16 +165,10 @@ class LLMEngine(PlugPoints):
             if detok is None:  # a sample forked from an n > 1 request (chapter 04): its first token
                 detok = self.detokenizers[req.request_id] = IncrementalDetokenizer(
                     self.tokenizer, req.prompt_token_ids, req.params.stop, req.params.min_tokens)
-            total = len(req.output_token_ids)
-            stopped = False
-            for upto in range(total - max(1, req.num_new_output_tokens) + 1, total + 1):  # several: chapter 09
-                ids = req.output_token_ids[:upto]
-                if upto == total and req.finish_reason == "stop":  # EOS or a stop token id: its text is not shown (vLLM)
-                    ids = ids[:-1]
-                _, stopped = detok.update(ids, flush=req.is_finished and upto == total)
-                if stopped:  # accepted guesses past a stop string: plain decoding would never have made them
-                    del req.output_token_ids[upto:], req.logprobs[upto:], req.metrics.token_times[upto:]
-                    break
+            cut = catch_up(detok, req.output_token_ids, req.num_new_output_tokens, req.is_finished, req.finish_reason)
+            stopped = cut is not None
+            if stopped:  # accepted guesses past a stop string: plain decoding would never have made them
+                del req.output_token_ids[cut:], req.logprobs[cut:], req.metrics.token_times[cut:]
             req.text = detok.text
             if stopped and not req.is_finished:
                 self.scheduler.finish(req, "stop")

@@ -223,10 +223,9 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def streamable_text(self) -> str:
-        """The text a client may be sent already: while the request runs, the last characters
-        that could still turn out to begin a stop string are held back (they may be cut)."""
-        hold = max((len(s) for s in self.params.stop), default=1) - 1
-        return self.text if self.is_finished or hold == 0 else self.text[:max(0, len(self.text) - hold)]
+        """The text a client may be sent already (``detokenizer.streamable``: a possible stop string held back)."""
+        from .detokenizer import streamable
+        return streamable(self.text, self.params.stop, self.is_finished)
 
     def __repr__(self):
         return (f"Request({self.request_id}, {self.status.value}, prompt={len(self.prompt_token_ids)}, "

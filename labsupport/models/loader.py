@@ -182,8 +182,6 @@ def load_model(model=None, device="auto", dtype="auto"):
         device = resolve_device(device)
         net = random_model(random_config(str(model)), device, resolve_dtype(dtype, device))
         return net, ByteTokenizer(), Path(model)
-    from transformers import AutoTokenizer
-
     folder = resolve_model_path(model)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
@@ -205,8 +203,16 @@ def load_model(model=None, device="auto", dtype="auto"):
     state.update((k, v) for k, v in net.state_dict(keep_vars=True).items() if k in state)
     if device.type == "cpu":  # packed copies (panels or oneDNN's), made once and kept with the shared weights
         pack_cpu_weights(net, state.packed)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    return net.eval(), tokenizer, folder
+    return net.eval(), load_tokenizer(folder), folder
+
+
+def load_tokenizer(model):
+    """The tokenizer alone, for a process that needs text but no weights (the server's frontend when the
+    engine runs in a process of its own). ``model`` as ``load_model`` takes it, or the resolved folder."""
+    if str(model).startswith("random:"):
+        return ByteTokenizer()
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(resolve_model_path(model))
 
 
 # ------------------------------------------------------------------ random weights: timing without a checkpoint

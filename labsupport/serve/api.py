@@ -4,9 +4,16 @@
     GET /health   GET /version   GET /metrics   POST /tokenize   POST /detokenize
 
 Requests go through the same ``Frontend`` as ``LLM.generate`` (chat template, prompt checks,
-result cache), then through the ``AsyncEngine``, whose one thread steps the engine for all
-clients at once (continuous batching). The app's lifespan starts that thread and, on
-shutdown, stops it: in-flight requests end with an error, new ones get 503.
+result cache), then to an engine that steps all clients' requests together (continuous
+batching): the engine core in a process of its own (``EngineCoreClient``, what ``python -m
+labsupport serve`` runs), or chapter 06's engine-loop thread in this process (``AsyncEngine``,
+for an ``LLM`` a notebook holds, and ``serve --engine-in-process``). The app's lifespan starts
+it and, on shutdown, stops it: in-flight requests end with an error, new ones get 503.
+
+Prompts are tokenized off the event loop once they are more than a few thousand characters
+(a 4 MB prompt takes seconds to tokenize; on the loop it would freeze every stream for as
+long), and one that cannot fit the context even at the vocabulary's longest piece per token is
+refused before it is tokenized at all.
 
 Every error is OpenAI's JSON (``{"error": {"message", "type", "param", "code"}}``), never a
 traceback: 400 bad request, 401 no valid key, 404 unknown model or route, 413 body too large,
@@ -16,8 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 
 from fastapi import FastAPI, Request
@@ -27,14 +36,18 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
 from .async_engine import AsyncEngine, EngineUnavailableError, QueueFullError, RequestFailedError
-from .completions import Completion
+from .completions import Completion, context_error, prompt_chars
 from .guard import DEFAULT_MAX_BODY_BYTES, Guard, bearer_token, tenant_salt
+from .loop_lag import LoopLag
 from .openai_format import TokenText
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        error_response)
 
 log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 2.0  # on SIGTERM, a stream gets this long to send its error and [DONE] before it is cut
+STREAM_SEND_TIMEOUT_S = 30.0  # a client whose socket takes no bytes for this long is dropped (its request aborted)
+INLINE_TOKENIZE_CHARS = 4096  # shorter prompts are tokenized on the event loop (well under a millisecond per 1k)
+RETRY_AFTER_S = 1  # 429's Retry-After: a waiting request usually gets a slot within a few steps
 
 
 def make_metrics(model_name: str, max_model_len: int):
@@ -50,24 +63,41 @@ def version() -> str:
         return "unknown"
 
 
-def create_app(llm, served_model_name: str | None = None, *, api_keys=(), max_waiting_requests: int | None = 1024,
-               max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics="auto") -> FastAPI:
-    """The app over an ``LLM``. ``app.state.engine`` is its ``AsyncEngine`` (started by the lifespan).
+def create_app(source, served_model_name: str | None = None, *, api_keys=(), max_waiting_requests: int | None = 1024,
+               max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics="auto",
+               stream_send_timeout: float | None = STREAM_SEND_TIMEOUT_S) -> FastAPI:
+    """The app over ``source``: an ``LLM`` (stepped by an engine-loop thread in this process) or an
+    ``EngineCoreClient`` (its engine core in a process of its own). ``app.state.engine`` is that
+    engine (started by the lifespan).
 
-    ``api_keys``: if any, ``/v1`` needs one, and each key is a tenant with its own cache salt.
-    ``metrics``: "auto" (``ServerMetrics`` if available), None, or an object with the hooks."""
-    frontend = llm.frontend
-    name = served_model_name or frontend.model_name
-    engine = AsyncEngine(llm, max_waiting_requests, make_metrics(name, llm.engine.max_model_len) if metrics == "auto" else metrics)
+    ``api_keys``: if any, ``/v1`` (and ``/tokenize``, ``/detokenize``, ``/pd``) needs one, and each key
+    is a tenant with its own cache salt. ``metrics``: "auto" (``ServerMetrics``), None, or an object
+    with the hooks (in-process engines only: an engine core keeps its own). ``stream_send_timeout``:
+    seconds a stream may wait on a client that reads nothing before it is dropped (None: never)."""
+    from .core_client import EngineCoreClient
+    if isinstance(source, EngineCoreClient):
+        llm, engine = None, source
+        name = served_model_name or source.model_name
+    else:
+        llm = source
+        name = served_model_name or llm.frontend.model_name
+        engine = AsyncEngine(llm, max_waiting_requests,
+                             make_metrics(name, llm.engine.max_model_len) if metrics == "auto" else metrics)
+    frontend = engine.frontend
     token_text = TokenText(frontend.tokenizer)
+    tokenizing = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
+    lag = LoopLag()
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
         engine.start()
+        watcher = asyncio.create_task(lag.run())
         try:
             yield
         finally:
+            watcher.cancel()
             engine.shutdown()
+            tokenizing.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="LLM Serving Lab", version=version(), lifespan=lifespan)
     app.state.engine, app.state.llm, app.state.model_name = engine, llm, name
@@ -78,13 +108,28 @@ def create_app(llm, served_model_name: str | None = None, *, api_keys=(), max_wa
         if model is not None and model != name:
             raise APIError(404, f"The model `{model}` does not exist. Served: `{name}`.", "not_found_error", "model")
 
+    async def off_loop(chars: int, work):
+        """``work()`` on a tokenizing thread when the text is long, else here (a thread hop costs more)."""
+        if chars <= INLINE_TOKENIZE_CHARS:
+            return work()
+        return await asyncio.get_running_loop().run_in_executor(tokenizing, work)
+
+    def refuse_oversized(chars: int):
+        least = frontend.at_least_tokens(chars)
+        if least >= frontend.engine.limits.max_model_len:
+            raise context_error(frontend.engine.limits.max_model_len, least, chars)
+
     async def complete(body, request: Request):
         check_model(body.model)
+        chars = prompt_chars(body)
+        refuse_oversized(chars)
         key = bearer_token(request.headers) if api_keys else None
-        completion = Completion(body, frontend, name, tenant_salt(key, body.cache_salt), token_text)
+        salt = tenant_salt(key, body.cache_salt)
+        completion = await off_loop(chars, lambda: Completion(body, frontend, name, salt, token_text))
         completion.submit(engine)
         if body.stream:
-            return EventSourceResponse(completion.events(), ping=15, sep="\n", shutdown_grace_period=SHUTDOWN_GRACE_S)
+            return EventSourceResponse(completion.events(), ping=0, send_timeout=stream_send_timeout,
+                                       shutdown_grace_period=SHUTDOWN_GRACE_S)
         return await cancel_on_disconnect(request, completion.response())
 
     @app.post("/v1/chat/completions")
@@ -99,7 +144,7 @@ def create_app(llm, served_model_name: str | None = None, *, api_keys=(), max_wa
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
                                             "owned_by": "labsupport", "root": frontend.model_name,
-                                            "max_model_len": frontend.engine.max_model_len}]}
+                                            "max_model_len": frontend.engine.limits.max_model_len}]}
 
     @app.get("/health")
     async def health():
@@ -113,37 +158,40 @@ def create_app(llm, served_model_name: str | None = None, *, api_keys=(), max_wa
 
     @app.get("/metrics")
     async def get_metrics():
-        if engine.metrics is None:
+        rendered = await engine.render_metrics()
+        if rendered is None:
             raise APIError(404, "metrics are not available on this server", "not_found_error")
-        body, content_type = engine.metrics.render()
-        return Response(body, media_type=content_type)
+        body, content_type = rendered
+        return Response(body + lag.render(), media_type=content_type)  # the engine's, then this process's
 
     @app.get("/pd/timeline")
     async def pd_timeline(since: float = 0.0):
         """This worker's recent steps and KV transfers (wall-clock seconds after ``since``): chapter 07's
         timeline widget draws prefill and decode lanes from several workers' answers."""
-        connector = llm.engine.connector
-        steps = [s for s in list(engine.step_log) if s["end"] > since]
-        records = [] if connector is None else [vars(r) for r in list(connector.records) if r.end > since]
-        role = getattr(connector, "role", None)
-        return {"role": role, "engine_id": getattr(connector, "engine_id", None), "steps": steps,
-                "transfers": records}
+        return await engine.pd_timeline(since)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either 'prompt' (text) or 'messages' (a conversation)", param="prompt")
-        try:
+
+        def work() -> bytes:  # the answer's JSON too: 800k token ids take seconds to encode
             if body.messages is not None:
-                ids, _ = frontend.chat_tokens([m.as_dict() for m in body.messages], body.add_generation_prompt)
+                ids = frontend.chat_tokens([m.as_dict() for m in body.messages], body.add_generation_prompt)[0]
             else:
                 special = True if body.add_special_tokens is None else body.add_special_tokens
                 ids = frontend.tokenizer(body.prompt, add_special_tokens=special).input_ids
+            strs = frontend.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+            return json.dumps({"count": len(ids), "max_model_len": frontend.engine.limits.max_model_len,
+                               "tokens": ids, "token_strs": strs}).encode()
+
+        chars = prompt_chars(body)
+        refuse_oversized(chars)  # as /v1 does: counting megabytes that can never be a prompt costs a core for seconds
+        try:
+            return Response(await off_loop(chars, work), media_type="application/json")
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
-        strs = frontend.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": frontend.engine.max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
@@ -195,7 +243,9 @@ def add_error_handlers(app: FastAPI):
 
     @app.exception_handler(QueueFullError)
     async def queue_full(_, exc: QueueFullError):
-        return error_response(429, str(exc), "rate_limit_error")
+        response = error_response(429, str(exc), "rate_limit_error")
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
 
     @app.exception_handler(EngineUnavailableError)
     async def unavailable(_, exc: EngineUnavailableError):

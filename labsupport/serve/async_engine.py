@@ -10,9 +10,14 @@ The thread owns the engine exclusively; nothing else calls into it while the ser
 (``llm.generate`` on the same LLM at the same time would race it). The event loop talks to it
 through an inbox (add this request, abort that one) that the thread drains at the top of each
 iteration, and it sleeps on a ``threading.Event`` when it has nothing to do. Outputs go back
-through one ``asyncio.Queue`` per HTTP request, fed with ``loop.call_soon_threadsafe``: the
-only safe way to wake an event loop from another thread. Every output is cumulative (all the
-text and tokens so far), so a consumer that falls behind takes the latest and skips the rest.
+to one ``RequestStream`` per HTTP request, all of a step's in one ``loop.call_soon_threadsafe``
+(the only safe way to wake an event loop from another thread; one wake-up per step, not one per
+stream). Every output is cumulative (all the text and tokens so far), so a stream keeps only the
+latest of each request and a consumer that falls behind skips the rest.
+
+This is chapter 06's first design, and ``--engine-in-process`` keeps it. Its cost is the GIL: the
+event loop's JSON and SSE work and the engine's Python between kernels take turns on one lock.
+``core_client.py`` moves the engine into a process of its own, as vLLM V1 does.
 
 Failure has three sizes. A step that raises fails only its own requests (``LLMEngine`` does
 that); their clients get an error, the others go on. If the loop thread itself dies, every
@@ -32,20 +37,11 @@ from typing import AsyncIterator
 
 from ..engine.request import Request, RequestOutput
 from ..frontend import PreparedRequest
+from .request_stream import EngineUnavailableError, QueueFullError, RequestFailedError, RequestStream
+
+__all__ = ["AsyncEngine", "EngineUnavailableError", "QueueFullError", "RequestFailedError", "RequestStream"]
 
 log = logging.getLogger(__name__)
-
-
-class EngineUnavailableError(RuntimeError):
-    """The engine takes no requests: shut down, or its loop died (HTTP 503)."""
-
-
-class QueueFullError(RuntimeError):
-    """More requests wait than ``max_waiting_requests`` allows (HTTP 429)."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed this request (a step raised) or aborted it (HTTP 500)."""
 
 
 @dataclass
@@ -54,55 +50,8 @@ class _Live:
 
     req: Request
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    stream: RequestStream
     index: int
-
-
-class RequestStream:
-    """The outputs of the engine requests of one HTTP request (``n`` choices, several prompts).
-
-    ``async for batch in stream`` gives ``{index: latest RequestOutput}`` for the requests that
-    moved since the last batch and ends when all have finished. Closing it early (``close``,
-    ``aclose``, or the consuming task being cancelled when a client disconnects) aborts the
-    unfinished ones; the engine frees their blocks at its next iteration.
-    """
-
-    def __init__(self, engine: "AsyncEngine", request_ids: list[str]):
-        self.engine, self.request_ids = engine, list(request_ids)
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.unfinished = set(range(len(request_ids)))
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> dict[int, RequestOutput]:
-        if not self.unfinished:
-            raise StopAsyncIteration
-        items = [await self.queue.get()]
-        while not self.queue.empty():
-            items.append(self.queue.get_nowait())
-        batch = {}
-        for index, item in items:  # outputs are cumulative: the latest of each index is all it needs
-            if isinstance(item, BaseException):
-                self.close()
-                raise item
-            batch[index] = item
-            if item.finished:
-                self.unfinished.discard(index)
-        return batch
-
-    def close(self):
-        """Abort whatever has not finished (idempotent, never blocks: safe in a ``finally``)."""
-        for index in self.unfinished:
-            self.engine.abort(self.request_ids[index])
-        self.unfinished = set()
-
-    async def aclose(self):
-        self.close()
-
-    def __del__(self):  # a stream dropped unread (its response never started) must not run on
-        if getattr(self, "unfinished", None):
-            self.close()
 
 
 class AsyncEngine:
@@ -147,24 +96,40 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests accepted but not yet running: in the inbox or the scheduler's waiting queue."""
-        return self._queued + len(self.engine.scheduler.waiting)
+        """Requests accepted that will wait for a slot: those in the inbox or the scheduler's queue beyond
+        the sequence slots free now (a burst that fits the free slots waits for nobody, so it is not
+        counted against ``max_waiting_requests``: it would have been refused while slots were free)."""
+        return self._waiting_with(0)
+
+    def _waiting_with(self, new: int) -> int:
+        scheduler = self.engine.scheduler
+        free = max(0, self.engine.config.max_num_seqs - len(scheduler.running))
+        return max(0, self._queued + len(scheduler.waiting) + new - free)
+
+    async def render_metrics(self) -> tuple[bytes, str] | None:
+        """``GET /metrics``: (body, content type), or None without metrics."""
+        return None if self.metrics is None else self.metrics.render()
+
+    async def pd_timeline(self, since: float) -> dict:
+        """This worker's recent steps and KV transfers, wall-clock seconds after ``since`` (chapter 07)."""
+        connector = self.engine.connector
+        return timeline(connector, list(self.step_log), since)
 
     def submit(self, prepared: list[PreparedRequest], request_ids: list[str]) -> RequestStream:
         """Queue engine requests now (called on the event loop); raises before anything is queued if the
         engine is unavailable or the waiting queue is full, so the server can still answer 503/429."""
         self.start()
         loop = asyncio.get_running_loop()
-        stream = RequestStream(self, request_ids)
+        stream = RequestStream(self.abort, request_ids)
         with self._lock:
             if self._closed:
                 raise EngineUnavailableError(self.unavailable_reason())
             limit = self.max_waiting_requests
-            if limit is not None and self.num_waiting + len(prepared) > limit:
+            if limit is not None and self._waiting_with(len(prepared)) > limit:
                 raise QueueFullError(f"the server is at capacity: {self.num_waiting} requests are waiting "
                                      f"(max_waiting_requests={limit}); retry later")
             for index, (p, rid) in enumerate(zip(prepared, request_ids)):
-                self._inbox.append(("add", p, rid, loop, stream.queue, index))
+                self._inbox.append(("add", p, rid, loop, stream, index))
             self._queued += len(prepared)
         self._wake.set()
         return stream
@@ -231,13 +196,13 @@ class AsyncEngine:
             self._queued -= sum(item[0] == "add" for item in items)
         for item in items:
             if item[0] == "add":
-                _, prepared, rid, loop, queue, index = item
+                _, prepared, rid, loop, stream, index = item
                 try:
                     req = self.frontend.submit(prepared, rid)
                 except Exception as exc:  # checked before, so rare: the engine was shut down under us
-                    _deliver(loop, queue, index, RequestFailedError(f"{type(exc).__name__}: {exc}"))
+                    _deliver(loop, [(stream, index, RequestFailedError(f"{type(exc).__name__}: {exc}"))])
                     continue
-                self._live[rid] = _Live(req, loop, queue, index)
+                self._live[rid] = _Live(req, loop, stream, index)
             else:
                 live = self._live.pop(item[1], None)
                 if live is not None:
@@ -259,22 +224,24 @@ class AsyncEngine:
         else:
             self._hook("on_step", self.engine, [], None)  # nothing ran, but blocks may have come back (aborts, PD)
         moved = {r.request_id for r in got}
+        outputs: dict[asyncio.AbstractEventLoop, list] = {}  # one hand-over per event loop and step
         for rid, live in list(self._live.items()):
             if live.req.is_finished:
                 del self._live[rid]
                 self._finished(live.req)
-                _deliver(live.loop, live.queue, live.index, self._final(live.req))
+                item = self._final(live.req)
             elif rid in moved:
-                out = self.engine.output(live.req)
-                _deliver(live.loop, live.queue, live.index, dataclasses.replace(out, text=live.req.streamable_text()))
+                item = dataclasses.replace(self.engine.output(live.req), text=live.req.streamable_text())
+            else:
+                continue
+            outputs.setdefault(live.loop, []).append((live.stream, live.index, item))
+        for loop, items in outputs.items():
+            _deliver(loop, items)
         if not ran and self._live:
             self._wake.wait(0.01)  # nothing could be scheduled now: do not spin
 
     def step_record(self, out) -> dict:
-        """One step as the PD timeline draws it: when (wall clock), which requests, prefill tokens or decodes."""
-        prefill = {r.request_id: n for r, n, p in zip(out.requests, out.num_new_tokens, out.is_prefill) if p}
-        return {"start": out.start + self._wall, "end": out.end + self._wall, "prefill": prefill,
-                "decode": [r.request_id for r, p in zip(out.requests, out.is_prefill) if not p]}
+        return step_record(out, self._wall)
 
     def _final(self, req: Request):
         if req.finish_reason in ("stop", "length"):
@@ -301,8 +268,8 @@ class AsyncEngine:
             self._queued = 0
         for item in items:
             if item[0] == "add":
-                _, _, _, loop, queue, index = item
-                _deliver(loop, queue, index, error)
+                _, _, _, loop, stream, index = item
+                _deliver(loop, [(stream, index, error)])
         lives, self._live = list(self._live.values()), {}
         try:
             self.engine.abort_requests([live.req for live in lives])
@@ -310,12 +277,32 @@ class AsyncEngine:
             log.exception("aborting the requests in flight failed")
         for live in lives:
             self._finished(live.req)
-            _deliver(live.loop, live.queue, live.index, error)
+            _deliver(live.loop, [(live.stream, live.index, error)])
 
 
-def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int, item):
-    """Hand an output (or an error) to its consumer's event loop, from the engine thread."""
+def _put_all(items):
+    for stream, index, item in items:
+        stream.put(index, item)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, items: list):
+    """Hand outputs (or errors), ``(stream, index, item)``, to their consumers' event loop, from the engine thread."""
     try:
-        loop.call_soon_threadsafe(queue.put_nowait, (index, item))
+        loop.call_soon_threadsafe(_put_all, items)
     except RuntimeError:  # that event loop is closed: nobody is listening any more
         pass
+
+
+def step_record(out, wall: float) -> dict:
+    """One step as the PD timeline draws it: when (wall clock: ``perf_counter`` + ``wall``), which requests,
+    prefill tokens or decodes."""
+    prefill = {r.request_id: n for r, n, p in zip(out.requests, out.num_new_tokens, out.is_prefill) if p}
+    return {"start": out.start + wall, "end": out.end + wall, "prefill": prefill,
+            "decode": [r.request_id for r, p in zip(out.requests, out.is_prefill) if not p]}
+
+
+def timeline(connector, steps: list[dict], since: float) -> dict:
+    """``/pd/timeline``'s answer from a step log and a connector (None: no PD), after ``since``."""
+    records = [] if connector is None else [vars(r) for r in list(connector.records) if r.end > since]
+    return {"role": getattr(connector, "role", None), "engine_id": getattr(connector, "engine_id", None),
+            "steps": [s for s in steps if s["end"] > since], "transfers": records}

@@ -50,6 +50,28 @@ def context_check(prompt_len: int, max_tokens: int | None, max_model_len: int) -
     return max_tokens
 
 
+def context_error(max_model_len: int, at_least: int, chars: int) -> APIError:
+    """The 400 for a prompt refused before tokenizing: it has at least ``at_least`` tokens."""
+    return APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+                         f"at least {at_least} input tokens ({chars} characters). Please reduce the length of the "
+                         "input messages.",
+                    param="messages")
+
+
+def prompt_chars(body) -> int:
+    """How much text a request asks to tokenize (its prompts or messages), counted without tokenizing."""
+    def size(x) -> int:
+        if isinstance(x, str):
+            return len(x)
+        if isinstance(x, (list, tuple)):
+            return sum(size(y) for y in x)
+        if isinstance(x, dict):
+            return sum(size(v) for v in x.values())
+        return size(getattr(x, "content", None)) + size(getattr(x, "text", None)) if hasattr(x, "__dict__") else 0
+    messages = getattr(body, "messages", None)
+    return size(messages if messages is not None else getattr(body, "prompt", None))
+
+
 def sampling_params(body, max_tokens: int, vocab_size: int, seed_offset: int = 0,
                     logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's parameters for one choice; a value it refuses is a 400 saying why."""
@@ -70,6 +92,11 @@ def sampling_params(body, max_tokens: int, vocab_size: int, seed_offset: int = 0
         raise APIError(400, f"this engine does not support {sorted(extras)} yet ({exc})") from exc
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
+
+
+def sse(*payloads: str) -> bytes:
+    """Server-sent events, one per payload, as one write."""
+    return "".join(f"data: {p}\n\n" for p in payloads).encode()
 
 
 @dataclass
@@ -94,9 +121,10 @@ class Completion:
         self.num_top = body.num_logprobs()
         self.echo = not self.chat and body.echo
         prompts = [[m.as_dict() for m in body.messages]] if self.chat else body.prompts()
-        if body.kv_transfer_params is not None and (len(prompts) * body.n != 1 or frontend.engine.connector is None):
+        has_connector = frontend.engine.limits.has_connector
+        if body.kv_transfer_params is not None and (len(prompts) * body.n != 1 or not has_connector):
             raise APIError(400, "kv_transfer_params needs one prompt with n=1, on a server started with --role "
-                                "(a KV connector)" if frontend.engine.connector is None else
+                                "(a KV connector)" if not has_connector else
                                 "kv_transfer_params needs one prompt with n=1", param="kv_transfer_params")
         if len(prompts) * body.n > MAX_CHOICES:
             raise APIError(400, f"{len(prompts)} prompts x n={body.n} choices is too many for one request "
@@ -116,16 +144,17 @@ class Completion:
             limit = self.body.limit()
             if limit is None and not self.chat:
                 limit = DEFAULT_COMPLETION_MAX_TOKENS
-            max_tokens = context_check(len(ids), limit, engine.max_model_len)
+            max_tokens = context_check(len(ids), limit, engine.limits.max_model_len)
             engine.check_prompt(ids)  # the engine's other rules (token range, batch budget, pool size)
             if self.body.kv_transfer_params is not None:  # PD: fields the connector could not follow are a 400
-                engine.connector.check_params(self.body.kv_transfer_params)
+                from ..pd.connector import TcpConnector
+                TcpConnector.check_params(self.body.kv_transfer_params)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages" if self.chat else "prompt") from exc
         if text is None and self.echo:
             text = self.frontend.tokenizer.decode(ids)
         first = PreparedRequest(ids, text, SamplingParams(), cache_salt)
-        vocab = engine.model.config.vocab_size
+        vocab = engine.limits.vocab_size
         return [self.frontend.with_params(first, sampling_params(
             self.body, max_tokens, vocab, i, self.num_top, self.num_top if self.echo else None),
             use_result_cache=not self.body.skip_result_cache) for i in range(self.body.n)]
@@ -173,28 +202,32 @@ class Completion:
         return answer
 
     async def events(self):
-        """SSE data lines (sse-starlette adds ``data:``); closing this generator aborts what still runs."""
+        """The SSE stream as bytes, one write per engine step (every choice that moved, together); closing
+        this generator aborts what still runs.
+
+        A chat choice's first chunk carries its role *and* its first token, sent when that token exists:
+        clients (``vllm bench serve``, guidellm, the ``openai`` SDK's users) time the first token at the
+        first chunk, so a role chunk sent before any token is computed would report a prefill as free.
+        No keep-alive comments either: a parser that strips each network read glues the next events onto
+        a lone ``: ping`` line and loses them."""
         sent = {i: Choice() for i in range(len(self.prepared))}
         try:
-            for i in sent if self.chat else ():  # a chat stream opens each choice with its role
-                yield self._chunk(i, {"role": "assistant", "content": ""})
             async for batch in self._batches():
-                for i, out in batch.items():
-                    chunk = self._delta(i, out, sent[i])
-                    if chunk is not None:
-                        yield chunk
+                chunks = [chunk for i, out in batch.items() if (chunk := self._delta(i, out, sent[i])) is not None]
+                if chunks:
+                    yield sse(*chunks)
             if self.body.include_usage:
-                yield json.dumps({"id": self.id, "object": self._chunk_object(), "created": self.created,
-                                  "model": self.model_name, "choices": [], "usage": self._usage()})
+                yield sse(json.dumps({"id": self.id, "object": self._chunk_object(), "created": self.created,
+                                      "model": self.model_name, "choices": [], "usage": self._usage()}))
         except (RequestFailedError, EngineUnavailableError) as exc:
             status = 503 if isinstance(exc, EngineUnavailableError) else 500
-            yield json.dumps(error_body(status, str(exc), "server_error"))
+            yield sse(json.dumps(error_body(status, str(exc), "server_error")))
         except Exception as exc:  # a bug: the client still gets an error and [DONE], never a cut stream
             log.exception("streaming %s failed", self.id)
-            yield json.dumps(error_body(500, f"internal error: {type(exc).__name__}", "internal_error"))
+            yield sse(json.dumps(error_body(500, f"internal error: {type(exc).__name__}", "internal_error")))
         finally:
             self.stream.close()
-        yield "[DONE]"
+        yield sse("[DONE]")
 
     # ------------------------------------------------------------------ formatting
 
@@ -204,7 +237,10 @@ class Completion:
             text = self.prepared[i].prompt + text
         finish = out.finish_reason if out.finished else None
         logprobs = self._logprobs(i, out, sent)
+        opening = self.chat and not sent.opened  # its role goes with its first token, even one with no text yet
         sent.chars, sent.tokens, sent.opened = len(out.text), len(out.token_ids), True
+        if opening:
+            return self._chunk(i, {"role": "assistant", "content": text}, finish, logprobs)
         if not text and finish is None and not (logprobs and new_tokens):
             return None
         return self._chunk(i, text, finish, logprobs)

@@ -5,19 +5,25 @@ body is read and validated: a client without a key gets 401 whatever it sent, an
 is refused at its ``Content-Length`` (413), or, when it comes chunked without one, as soon as
 the bytes counted so far pass the limit, instead of being buffered whole by the JSON parser.
 
-As in ``vllm serve``, only ``/v1/...`` needs a key (``/health``, ``/metrics``, ``/version``,
-``/tokenize`` stay open to probes and tools). Keys are compared in constant time. With keys,
+With keys, ``/v1/...`` needs one, as in ``vllm serve``, and so do ``/tokenize`` and ``/detokenize``
+(tokenizing megabytes costs a core for seconds: not for anyone who asks) and ``/pd/`` (chapter 07's
+timeline lists every tenant's request ids); ``/health``, ``/metrics`` and ``/version`` stay open to
+probes. Keys are compared in constant time. A body that trickles in slower than one chunk per
+``BODY_READ_TIMEOUT_S`` is answered 408: a half-sent request must not hold a connection forever. With keys,
 each key is a tenant: ``tenant_salt`` turns it into a cache salt, so two keys never share
 cached KV blocks or cached results (a tenant could otherwise time another's prompts).
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 
 from .protocol import error_response
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+BODY_READ_TIMEOUT_S = 30.0
+PROTECTED = ("/v1", "/tokenize", "/detokenize", "/pd/")
 
 
 def bearer_token(headers) -> str | None:
@@ -39,8 +45,10 @@ def tenant_salt(api_key: str | None, client_salt: str | None) -> str | None:
 
 
 class Guard:
-    def __init__(self, app, api_keys=(), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+    def __init__(self, app, api_keys=(), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 body_read_timeout: float = BODY_READ_TIMEOUT_S):
         self.app, self.api_keys, self.max_body_bytes = app, [k.encode() for k in api_keys], max_body_bytes
+        self.body_read_timeout = body_read_timeout
 
     def authorized(self, headers) -> bool:
         token = bearer_token(headers)
@@ -53,7 +61,7 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self.api_keys and scope["path"].startswith("/v1") and not self.authorized(scope["headers"]):
+        if self.api_keys and scope["path"].startswith(PROTECTED) and not self.authorized(scope["headers"]):
             return await error_response(401, "Unauthorized: send a valid API key as 'Authorization: Bearer <key>'",
                                         "authentication_error")(scope, receive, send)
         length = next((v for k, v in scope["headers"] if k.lower() == b"content-length"), None)
@@ -63,7 +71,11 @@ class Guard:
             return await self.app(scope, receive, send)
         body, more = bytearray(), True
         while more:  # count what arrives, whatever the headers said
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_read_timeout)
+            except asyncio.TimeoutError:
+                return await error_response(408, f"the request body did not arrive within {self.body_read_timeout:.0f} s "
+                                                 "of its last part", "timeout_error")(scope, receive, send)
             if message["type"] == "http.disconnect":
                 return
             body += message.get("body", b"")

@@ -7,13 +7,15 @@ everything that can change the answer (model, the prompt's token ids -- messages
 the chat template into exactly what the model sees -- and the sampling parameters) and the
 tenant's ``cache_salt``, so one tenant never receives another's cached answer. Entries expire
 (``ttl_s``: a model or a system prompt may change behind the same name) and the cache is bounded
-(``max_entries``, least recently used out first).
+(``max_entries``, least recently used out first). It is locked: the server tokenizes, and so looks
+requests up, on worker threads while its event loop stores finished answers.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import threading
 import time
 from collections import OrderedDict
 
@@ -38,22 +40,25 @@ class ResultCache:
         self.max_entries, self.ttl_s = max_entries, ttl_s
         self.entries: OrderedDict[str, tuple[float, object]] = OrderedDict()
         self.hits = self.misses = 0
+        self._lock = threading.Lock()
 
     def get(self, key: str):
-        entry = self.entries.get(key)
-        if entry is None or time.monotonic() - entry[0] > self.ttl_s:
-            self.entries.pop(key, None)
-            self.misses += 1
-            return None
-        self.entries.move_to_end(key)
-        self.hits += 1
-        return entry[1]
+        with self._lock:
+            entry = self.entries.get(key)
+            if entry is None or time.monotonic() - entry[0] > self.ttl_s:
+                self.entries.pop(key, None)
+                self.misses += 1
+                return None
+            self.entries.move_to_end(key)
+            self.hits += 1
+            return entry[1]
 
     def put(self, key: str, value):
-        self.entries[key] = (time.monotonic(), value)
-        self.entries.move_to_end(key)
-        while len(self.entries) > self.max_entries:
-            self.entries.popitem(last=False)
+        with self._lock:
+            self.entries[key] = (time.monotonic(), value)
+            self.entries.move_to_end(key)
+            while len(self.entries) > self.max_entries:
+                self.entries.popitem(last=False)
 
     def __len__(self):
         return len(self.entries)

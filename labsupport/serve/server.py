@@ -15,6 +15,8 @@ import signal
 import uvicorn
 
 GRACEFUL_SHUTDOWN_S = 10  # uvicorn waits this long for responses in flight before cancelling them
+GPU_BATCHED_TOKENS = 2048  # vllm serve's default token budget per step (chunked prefill on)
+CPU_BATCHED_TOKENS = 512  # on the 2-core CPU a step of 512 prompt tokens of the default model takes ~0.2-0.4 s
 
 
 class LabServer(uvicorn.Server):
@@ -46,9 +48,13 @@ def add_serve_arguments(srv):
     srv.add_argument("--api-key-file", default=None, help="more keys, one per line")
     srv.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                      help="prefix caching is on by default when serving, as in vllm serve")
-    srv.add_argument("--enable-chunked-prefill", action="store_true")
+    srv.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                     help="on by default, as in vllm serve: a long prompt is fed in chunks of the step's token budget "
+                          "beside the decoding requests, so it never stalls them for a whole prefill")
     srv.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    srv.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    srv.add_argument("--max-num-batched-tokens", type=int, default=None,
+                     help=f"tokens one step may feed (default: {GPU_BATCHED_TOKENS} on a GPU, as vllm serve's, "
+                          f"{CPU_BATCHED_TOKENS} on the CPU, where a step of that size takes a few hundred ms)")
     srv.add_argument("--scheduling-policy", default="continuous", choices=["continuous", "static"],
                      help="static: chapter 04's baseline (a batch admitted together, held until it drains)")
     srv.add_argument("--kv-cache-memory-bytes", type=int, default=None,
@@ -65,6 +71,12 @@ def add_serve_arguments(srv):
     srv.add_argument("--max-waiting-requests", type=int, default=1024,
                      help="requests waiting for a slot beyond this get 429 (0: no waiting at all)")
     srv.add_argument("--max-request-body-bytes", type=int, default=4 << 20, help="larger bodies get 413")
+    srv.add_argument("--stream-send-timeout", type=float, default=30.0,
+                     help="seconds a stream waits on a client that reads nothing before dropping it (its request "
+                          "is aborted and its KV freed); 0: never")
+    srv.add_argument("--engine-in-process", action="store_true",
+                     help="step the engine in a thread of the server's process (chapter 06's first design) instead "
+                          "of an engine-core process of its own (the default, as vLLM V1)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     pd = srv.add_argument_group("prefill/decode disaggregation (chapter 07)")
     pd.add_argument("--role", default=None, choices=["prefill", "decode", "both"],
@@ -144,6 +156,10 @@ def engine_options(args) -> dict:
             raise ValueError(f"cannot read --api-key-file: {exc}") from exc
         if not args.api_keys:
             raise ValueError(f"--api-key-file {args.api_key_file} holds no key")
+    if args.max_num_batched_tokens is None:
+        import torch
+        gpu = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+        args.max_num_batched_tokens = GPU_BATCHED_TOKENS if gpu else CPU_BATCHED_TOKENS
     for name in ("max_waiting_requests", "max_request_body_bytes"):
         if getattr(args, name) < (1 if name == "max_request_body_bytes" else 0):
             raise ValueError(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
@@ -157,8 +173,22 @@ def engine_options(args) -> dict:
                 quantization=args.quantization, cpu_decode_kernel=args.cpu_decode_kernel)
 
 
-def run_server(llm, args) -> int:
+def run_server(source, args) -> int:
+    """Serve ``source``: an ``LLM`` (``--engine-in-process``) or an ``EngineCoreClient``."""
     from .api import create_app
-    app = create_app(llm, args.served_model_name, api_keys=args.api_keys,
-                     max_waiting_requests=args.max_waiting_requests, max_request_body_bytes=args.max_request_body_bytes)
-    return serve(app, args.host, args.port, args.log_level)
+    app = create_app(source, args.served_model_name, api_keys=args.api_keys,
+                     max_waiting_requests=args.max_waiting_requests, max_request_body_bytes=args.max_request_body_bytes,
+                     stream_send_timeout=args.stream_send_timeout or None)
+    try:
+        return serve(app, args.host, args.port, args.log_level)
+    finally:
+        app.state.engine.shutdown()  # the engine core goes with the server, also when uvicorn could not start
+
+
+def start_engine_core(options: dict, args):
+    """``python -m labsupport serve``'s engine: a core process for these engine options (raises
+    ``EngineCoreStartError``; ``bad_option`` for a ValueError the CLI reports with exit code 2)."""
+    from .core_client import EngineCoreClient
+    from .result_cache import ResultCache
+    cache = ResultCache() if args.enable_result_cache else None
+    return EngineCoreClient(options, args.served_model_name, args.max_waiting_requests, result_cache=cache)

@@ -1,0 +1,266 @@
+"""The engine core: a process that owns the ``LLMEngine`` and steps it, as vLLM V1's ``EngineCore``.
+
+Why a process and not chapter 06's thread (``async_engine.py``): in one process the event loop
+(parsing requests, tokenizing, detokenizing, writing SSE for every stream) and the engine's Python
+between kernels take turns on one GIL, and with 64 streams the turns add up to whole steps. Here
+the core does nothing but schedule, run the model and sample; the frontend process does all the
+text work. They exchange one message per turn each way (``messages.py``) over ZeroMQ sockets:
+
+* in: everything the frontend gathered since the last turn (new requests as token ids, requests to
+  end, questions such as ``/metrics``), drained between steps;
+* out: after each step, every request's new token ids (and logprobs, and how it ended).
+
+The loop never waits while it has requests; idle, it sleeps in ``poll`` until the frontend writes.
+The core lives only as long as its frontend: it asks the kernel for a signal when its parent dies,
+and watches its parent's pid as well, so a killed server (or a restarted notebook kernel) never
+leaves an engine holding memory and cores. Ctrl-C reaches the whole process group; the core
+ignores it and lets the frontend, which answers the clients, decide how to stop.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import os
+import signal
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from .async_engine import step_record, timeline
+from .messages import Answer, Call, CoreInput, CoreOutputs, Failed, FinishRequest, Ready, RequestDelta
+
+log = logging.getLogger(__name__)
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class CoreSpec:
+    """What the frontend hands the spawned core (pickled once, at start)."""
+
+    engine_options: dict  # ``EngineConfig`` keyword arguments
+    model_name: str | None  # the served name, for ``/metrics`` labels (None: the model folder's name)
+    input_address: str  # the frontend binds both sockets; the core connects
+    output_address: str
+    parent_pid: int
+    metrics: bool = True
+
+
+def die_with_parent(parent_pid: int):
+    """End this process when ``parent_pid`` ends: the kernel's parent-death signal where there is one
+    (Linux), and a watcher thread for the case it misses (the parent died before we asked)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # not Linux: the watcher alone
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(0)
+
+    if os.getppid() != parent_pid:
+        os._exit(0)
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def run_engine_core(spec: CoreSpec):
+    """The core process's main function (``multiprocessing`` spawns it)."""
+    die_with_parent(spec.parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    import torch
+    if cpus and cpus < torch.get_num_threads():  # pinned by --cpu-affinity: one thread per CPU it may use
+        torch.set_num_threads(cpus)
+    context = zmq.Context()
+    inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    inbox.connect(spec.input_address)
+    outbox.connect(spec.output_address)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        from ..engine.config import EngineConfig
+        from ..engine.engine import LLMEngine
+        engine = LLMEngine(EngineConfig(**spec.engine_options, detokenize=False))
+    except Exception as exc:  # a bad option (ValueError) or a model that will not load
+        outbox.send(encoder.encode(Failed(f"{exc}" if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}",
+                                          bad_option=isinstance(exc, ValueError))))
+        outbox.close(linger=2000)
+        return
+    metrics = None
+    if spec.metrics:
+        from .metrics import ServerMetrics
+        metrics = ServerMetrics(spec.model_name or engine.model_path.name, max_model_len=engine.max_model_len)
+    outbox.send(encoder.encode(Ready(str(engine.model_path), dataclasses.asdict(engine.limits),
+                                     engine.config.max_num_seqs, str(engine.device))))
+    try:
+        EngineCore(engine, inbox, outbox, metrics).run()
+    finally:
+        engine.shutdown()
+        inbox.close(linger=0)
+        outbox.close(linger=1000)
+        context.term()
+
+
+@dataclass
+class _Track:
+    """A request the core runs for the frontend: how much of it was sent."""
+
+    req: object
+    tokens: int = 0
+    logprobs: int = 0
+    started: bool = False  # its first delta (first scheduled time, prompt logprobs) went out
+
+
+class EngineCore:
+    """The loop: drain the inbox, step, send what moved; sleep in ``poll`` when there is nothing to do."""
+
+    def __init__(self, engine, inbox, outbox, metrics=None):
+        self.engine, self.inbox, self.outbox, self.metrics = engine, inbox, outbox, metrics
+        self.encoder, self.decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(CoreInput)
+        self.live: dict[str, _Track] = {}
+        self.answers: list[Answer] = []
+        self.stopping = False
+        self.step_log: deque = deque(maxlen=4096)  # recent steps in wall-clock time (chapter 07's timeline)
+        self._wall = time.time() - time.perf_counter()
+        self.poller = zmq.Poller()
+        self.poller.register(inbox, zmq.POLLIN)
+
+    def run(self):
+        from ..engine.request import SamplingParams  # noqa: F401  (imported once, before the first request)
+        self._hook("on_step", self.engine, [], None)  # the gauges from the start: an idle pool is all free
+        while not self.stopping:
+            busy = bool(self.live)
+            if busy:
+                timeout = 0
+            elif self.engine.has_pending_transfers():
+                timeout = 50  # held blocks wait for a pull or their lease: poll the connector now and then
+            else:
+                timeout = None
+            if self.poller.poll(timeout):
+                self._drain()
+            if self.stopping:
+                break
+            if self.live or self.engine.has_pending_transfers():
+                self._step()
+            if self.answers:
+                self._send(CoreOutputs(answers=self._take_answers()))
+
+    # ------------------------------------------------------------------ in
+
+    def _drain(self):
+        while True:
+            try:
+                message = self.decoder.decode(self.inbox.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            for add in message.adds:
+                self._add(add)
+            for finish in message.finishes:
+                self._finish(finish)
+            for call in message.calls:
+                self.answers.append(self._answer(call))
+            self.stopping = self.stopping or message.shutdown
+
+    def _add(self, add):
+        from ..engine.request import SamplingParams
+        try:
+            req = self.engine.add_request(add.prompt_token_ids, SamplingParams(**add.params),
+                                          request_id=add.request_id, cache_salt=add.cache_salt)
+        except Exception as exc:  # the frontend checked first, so rare: say why, never die of it
+            self._send(CoreOutputs(deltas=[RequestDelta(add.request_id, finish_reason="error",
+                                                        error=f"{type(exc).__name__}: {exc}")]))
+            return
+        req.metrics.arrival_time = add.arrival_time or req.metrics.arrival_time
+        self.live[add.request_id] = _Track(req)
+
+    def _finish(self, finish: FinishRequest):
+        track = self.live.pop(finish.request_id, None)
+        if track is None:
+            return  # finished already: its last delta is on its way
+        req = track.req
+        if finish.keep_tokens is not None:  # past a stop string: those tokens never were
+            del req.output_token_ids[finish.keep_tokens:], req.logprobs[finish.keep_tokens:]
+        self.engine.abort_requests([req], finish.reason)
+        self._hook("on_finished", req)
+
+    def _answer(self, call: Call) -> Answer:
+        try:
+            if call.name == "metrics":
+                value = None if self.metrics is None else self.metrics.render()[0]
+            elif call.name == "timeline":
+                value = timeline(self.engine.connector, list(self.step_log), float(call.args[0]))
+            elif call.name == "stats":
+                value = self.engine.stats()
+            else:
+                raise ValueError(f"no call {call.name!r}")
+            return Answer(call.call_id, msgspec.Raw(self.encoder.encode(value)))
+        except Exception as exc:
+            return Answer(call.call_id, error=f"{type(exc).__name__}: {exc}")
+
+    # ------------------------------------------------------------------ step and out
+
+    def _step(self):
+        engine = self.engine
+        before = engine.num_steps
+        try:
+            got = engine.step()
+        except Exception:  # the engine failed this step's requests ("error") and logged why; go on
+            got = []
+        ran = engine.num_steps > before
+        if ran:
+            self.step_log.append(step_record(engine.last_step, self._wall))
+            self._hook("on_step", engine, got, engine.last_step)
+        else:
+            self._hook("on_step", engine, [], None)
+        deltas = []
+        for rid, track in list(self.live.items()):
+            req = track.req
+            if len(req.output_token_ids) > track.tokens or req.is_finished:
+                deltas.append(self._delta(track))
+                if req.is_finished:
+                    del self.live[rid]
+                    self._hook("on_finished", req)
+        if ran or deltas:
+            scheduler = engine.scheduler
+            waiting = len(scheduler.waiting) + sum(not r.is_finished for r in scheduler.loading.values())
+            self._send(CoreOutputs(deltas, self._take_answers(), len(scheduler.running), waiting))
+        elif self.live:
+            self.poller.poll(10)  # nothing could be scheduled now (KV on its way): do not spin
+
+    def _delta(self, track: _Track) -> RequestDelta:
+        req = track.req
+        delta = RequestDelta(req.request_id, req.output_token_ids[track.tokens:],
+                             num_cached_tokens=req.num_cached_tokens)
+        if req.params.logprobs is not None:
+            delta.new_logprobs = req.logprobs[track.logprobs:]
+            track.logprobs = len(req.logprobs)
+        if len(req.output_token_ids) > track.tokens:
+            delta.token_time = req.metrics.token_times[-1]
+        track.tokens = len(req.output_token_ids)
+        if not track.started and (track.tokens or req.is_finished):
+            track.started = True
+            delta.first_scheduled_time = req.metrics.first_scheduled_time
+            delta.prompt_logprobs = req.prompt_logprobs
+        if req.is_finished:
+            delta.finish_reason, delta.finished_time = req.finish_reason, req.metrics.finished_time
+            delta.kv_transfer_params = req.kv_transfer_params
+        return delta
+
+    def _take_answers(self) -> list[Answer]:
+        answers, self.answers = self.answers, []
+        return answers
+
+    def _send(self, outputs: CoreOutputs):
+        self.outbox.send(self.encoder.encode(outputs))
+
+    def _hook(self, name: str, *args):
+        """Call a metrics hook; a broken metric is logged, it never stops the serving."""
+        if self.metrics is not None:
+            try:
+                getattr(self.metrics, name)(*args)
+            except Exception:
+                log.exception("metrics.%s failed", name)
