@@ -9,15 +9,8 @@ import argparse
 import sys
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["router"]:  # chapter 07: needs no model, has its own flags
-        from .pd.router_app import main as router_main
-        return router_main(argv[1:])
-    from .bench.cli import SUBCOMMANDS
-    if argv[:1] == ["bench"] and argv[1:2] and argv[1] in SUBCOMMANDS:
-        from .bench.cli import main as bench_main
-        return bench_main(argv[1:])
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``generate``, ``chat``, ``serve``, ``prepare`` and the flat ``bench``."""
     parser = argparse.ArgumentParser(prog="python -m labsupport", description="LLM Serving Lab engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="print the completion of a prompt")
@@ -76,7 +69,19 @@ def main(argv=None):
         p.add_argument("--gpu-memory-utilization", type=float, default=None,
                        help="share of the GPU's total memory for weights + KV cache (default 0.2: several engines fit)")
     srv.add_argument("--enable-result-cache", action="store_true")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["router"]:  # chapter 07: needs no model, has its own flags
+        from .pd.router_app import main as router_main
+        return router_main(argv[1:])
+    from .bench.cli import SUBCOMMANDS
+    if argv[:1] == ["bench"] and argv[1:2] and argv[1] in SUBCOMMANDS:
+        from .bench.cli import main as bench_main
+        return bench_main(argv[1:])
+    args = build_parser().parse_args(argv)
 
     if args.command == "chat":
         from .chat_cli import main as chat_main

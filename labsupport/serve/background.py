@@ -23,8 +23,9 @@ class BackgroundServer:
     def __init__(self, app, host: str = "127.0.0.1", port: int | None = None):
         self.host, self.port = host, port or free_port(host)
         self.app = app
+        from .http_protocol import HeaderTimeoutProtocol
         self.server = uvicorn.Server(uvicorn.Config(app, host=self.host, port=self.port, log_level="warning",
-                                                    timeout_graceful_shutdown=5))
+                                                    http=HeaderTimeoutProtocol, timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property

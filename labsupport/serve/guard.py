@@ -46,9 +46,9 @@ def tenant_salt(api_key: str | None, client_salt: str | None) -> str | None:
 
 class Guard:
     def __init__(self, app, api_keys=(), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 body_read_timeout: float = BODY_READ_TIMEOUT_S):
+                 body_read_timeout: float | None = None):
         self.app, self.api_keys, self.max_body_bytes = app, [k.encode() for k in api_keys], max_body_bytes
-        self.body_read_timeout = body_read_timeout
+        self.body_read_timeout = BODY_READ_TIMEOUT_S if body_read_timeout is None else body_read_timeout
 
     def authorized(self, headers) -> bool:
         token = bearer_token(headers)

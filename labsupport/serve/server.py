@@ -30,7 +30,8 @@ class LabServer(uvicorn.Server):
 
 
 def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> int:
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+    from .http_protocol import HeaderTimeoutProtocol
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=HeaderTimeoutProtocol,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     server = LabServer(config, app.state.engine)
     for sig in (signal.SIGINT, signal.SIGTERM):
