@@ -163,11 +163,17 @@ def shared_weights(folder: Path, device: torch.device, dtype: torch.dtype, tied:
 def device_memory(device: str | torch.device) -> tuple[int, int]:
     """``(free, total)`` bytes of ``device``'s memory: on CUDA the driver's figures, else the machine's RAM.
 
+    On CUDA, memory this process's caching allocator holds but no tensor uses counts as free: an engine
+    shut down or dropped earlier in the kernel (chapter 09 builds engines one after another) leaves its
+    pool there, where the driver counts it as used, yet the next engine's tensors are carved out of it.
+
     The engine reads device memory only here (``engine.build.blocks_in_budget``), so a test can put a
     fake figure in with ``monkeypatch.setattr("labsupport.engine.build.device_memory", ...)``."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)
+        free, total = torch.cuda.mem_get_info(device)
+        idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return min(total, free + max(0, idle)), total
     page, total = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_PHYS_PAGES")
     free = os.sysconf("SC_AVPHYS_PAGES") if "SC_AVPHYS_PAGES" in os.sysconf_names else total
     return free * page, total * page
