@@ -214,6 +214,26 @@ def report(manifest: dict, out: Path):
 
 # ------------------------------------------------------------------ course (GPU side, or the rehearsal)
 
+def status(bundle: Path) -> int:
+    """What has arrived so far (one line per part) and what this machine has: for the commands that carry the
+    first parts, which must end quickly (the machine waits only briefly for the next command)."""
+    manifests = sorted(bundle.glob("call*/manifest.json"))
+    if not manifests:
+        print(f"no bundle under {bundle}")
+        return 1
+    manifest = json.loads(manifests[-1].read_text())
+    arrived = 0
+    for p in manifest["parts"]:
+        path = bundle / p["path"]
+        state = ("missing" if not path.exists() else "ok" if path.stat().st_size == p["bytes"]
+                 and sha256(path) == p["sha256"] else "DIFFERS from the manifest")
+        arrived += state == "ok"
+        print(f"part {p['call']} of {len(manifest['parts'])}: {state}")
+    print(f"bundle {manifest['tar_sha256'][:16]}... made {manifest['created']}: {arrived} of "
+          f"{len(manifest['parts'])} parts here; python {sys.version.split()[0]} at {sys.executable}")
+    return 0
+
+
 def join_parts(bundle: Path, work: Path) -> Path:
     """Check every part that arrived against the manifest, join them and unpack: the unpacked bundle folder."""
     manifests = sorted(bundle.glob("call*/manifest.json"))
@@ -439,6 +459,8 @@ def main(argv=None) -> int:
             c.add_argument("--extra-wheels", action="append", default=[], help="more wheel folders (the rehearsal's)")
             c.add_argument("--strict", action="store_true", help="stop if a bundled package's requirement is not met")
             c.add_argument("course_args", nargs="*", help="after --: labsupport.bench.gpu_course's own options")
+    st = sub.add_parser("status", help="which parts have arrived (the commands that carry the first parts)")
+    st.add_argument("--bundle", default=str(ROOT / "build" / "gpu-bundle"))
     r = sub.add_parser("rehearse", help="the course command on this CPU, from a copy of what would travel")
     r.add_argument("--calls", type=int, default=3)
     r.add_argument("--chapters", default=None, help="default 00,02")
@@ -448,6 +470,8 @@ def main(argv=None) -> int:
     if args.command == "build":
         build(Path(args.out), args.calls)
         return 0
+    if args.command == "status":
+        return status(Path(args.bundle).resolve())
     if args.command == "join":
         join_parts(Path(args.bundle).resolve(), Path(args.work).resolve())
         return 0

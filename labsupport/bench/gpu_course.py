@@ -227,7 +227,7 @@ def write_summary(out: Path, archive: Path | None, info: dict, rows: list[dict],
     where = info.get("gpu") or f"CPU ({info['cpus']} cores)"
     md = (f"# Course run, {info['date']}: {where}\n\n"
           f"torch {info['torch']}, triton {info['triton']}, transformers {info['transformers']}, Python "
-          f"{info['python']}{', driver ' + info['driver'] if info.get('driver') else ''}; "
+          f"{info['python']}{', driver ' + info['driver'] if info.get('driver') else ''}, dtype {info['dtype']}; "
           f"{len(rows)} of {len(planned)} chapters in {total_s:.0f} s: {'all passed' if summary['ok'] else 'NOT all passed'}\n\n"
           + table(rows, kind) + "\n")
     (out / "gpu-course.json").write_text(json.dumps(summary, indent=1))
@@ -252,7 +252,12 @@ def main(argv=None) -> int:
     parser.add_argument("--deadline", type=float, default=None,
                         help="seconds for the whole run: chapters not started by then are skipped, a running one "
                              "stops at its next cell (set it so the results still come back before the command's limit)")
+    parser.add_argument("--dtype", default=None,
+                        help="float32, bfloat16, ...: what dtype='auto' means in every chapter (LABSUPPORT_DTYPE); "
+                             "default: the engine's own (bf16 on a GPU)")
     args = parser.parse_args(argv)
+    if args.dtype:
+        os.environ["LABSUPPORT_DTYPE"] = args.dtype  # the kernels inherit it
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -260,6 +265,7 @@ def main(argv=None) -> int:
     chosen = chapters(args.chapters)
     deadline = None if args.deadline is None else time.monotonic() + args.deadline
     info = device_description()
+    info["dtype"] = os.environ.get("LABSUPPORT_DTYPE", "auto")
     print(f"executing {len(chosen)} chapters on {info.get('gpu') or 'the CPU'} (torch {info['torch']})", flush=True)
     began, rows = time.perf_counter(), []
     for path in chosen:

@@ -35,9 +35,15 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``auto``: bf16 on a GPU that supports it, else fp16; fp32 on the CPU (fast and exact there)."""
+    """``auto``: bf16 on a GPU that supports it, else fp16; fp32 on the CPU (fast and exact there).
+
+    The environment variable ``LABSUPPORT_DTYPE`` (``float32``, ``bfloat16``, ...) replaces ``auto`` for every
+    engine of the process and of the processes it starts: a whole chapter, or the whole course
+    (``gpu_course --dtype``), run in another precision without editing a notebook."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto" and os.environ.get("LABSUPPORT_DTYPE", "auto") != "auto":
+        dtype = os.environ["LABSUPPORT_DTYPE"]
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
