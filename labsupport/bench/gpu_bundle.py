@@ -208,8 +208,8 @@ def report(manifest: dict, out: Path):
         carried = (p["bytes"] + manifest["tree_bytes"]) / MIB
         print(f"  command {p['call']}: carry [\"{rel}/call{p['call']}\"]  ({p['bytes'] / MIB:.1f} MiB, "
               f"{carried:.1f} MiB with the tree)")
-    print("then, on the GPU machine, in the last command: make gpu-course GPU_COURSE_ARGS=\"--archive $OUT\" "
-          "(docs/gpu.md)")
+    print("commands 1 and 2 run `python3 labsupport/bench/gpu_bundle.py status`; command 3 runs `python3 "
+          "labsupport/bench/gpu_bundle.py course --archive $OUT -- --deadline 420 --cell-timeout 90` (docs/gpu.md)")
 
 
 # ------------------------------------------------------------------ course (GPU side, or the rehearsal)
