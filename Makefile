@@ -1,6 +1,6 @@
 # LLM Serving Lab. Two commands do all the set-up:
 #   make lab    create .venv, install, prepare the default model, open JupyterLab on notebooks/
-#   make test   the same set-up, then the unit tests and nbval over every chapter
+#   make test   the same set-up, then the unit tests, nbval over every chapter and the GPU course's CPU rehearsal
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
