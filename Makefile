@@ -1,6 +1,6 @@
 # LLM Serving Lab. Two commands do all the set-up:
 #   make lab    create .venv, install, prepare the default model, open JupyterLab on notebooks/
-#   make test   the same set-up, then the unit tests and nbval over every chapter
+#   make test   the same set-up, then the unit tests, nbval over every chapter and the GPU course's CPU rehearsal
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -10,7 +10,8 @@ CHAPTERS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 NBVAL  := --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout 900
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab test test-vllm setup model unit nbval slides slides-deps browser-deps exercises execute clean gpu-check vllm vllm-env clients serve-compare
+.PHONY: lab test test-vllm setup model unit nbval slides slides-deps browser-deps exercises execute clean gpu-check vllm vllm-env \
+	gpu-bundle gpu-course gpu-rehearsal clients serve-compare
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,7 +34,7 @@ lab: model
 # before unit: the vLLM tests (bench serve, chapter 08) run it from .venv-vllm (without it, they skip).
 test:
 	$(MAKE) -j4 model slides-deps browser-deps vllm
-	$(MAKE) unit nbval
+	$(MAKE) unit nbval gpu-rehearsal
 
 # Tests that start `vllm serve` are left to chapter 08, which nbval runs with the same checks (CI time);
 # `make test-vllm` runs them.
@@ -78,6 +79,25 @@ execute: model
 # GPU_CHECK_ARGS="--json gpu_check.json" keeps the figures; --device cpu --quick tries it anywhere.
 gpu-check:
 	$(PYTHON) -m labsupport.bench.gpu_check $(GPU_CHECK_ARGS)
+
+# The whole course on a GPU machine (docs/gpu.md). `make gpu-bundle`, here: the wheels its image lacks and
+# the model, packed and cut into parts that travel one per command. `make gpu-course`, there, after the
+# parts arrived: join, install, prepare the model, execute every chapter, summarise (GPU_COURSE_ARGS="--archive
+# DIR" copies the results to DIR; "-- --chapters 00,02" picks chapters). GPU_COURSE_ARGS="--rehearse", here:
+# the same from a copy of what would travel, on the CPU, in a bare venv that sees only the GPU image's packages,
+# installing the bundle with pip --no-index (chapters 00 and 02; `make test` runs it as `gpu-rehearsal`).
+gpu-bundle: setup
+	$(BIN)/python labsupport/bench/gpu_bundle.py build
+
+ifneq (,$(filter --rehearse,$(GPU_COURSE_ARGS)))
+gpu-course: gpu-rehearsal
+else
+gpu-course:
+	$(PYTHON) labsupport/bench/gpu_bundle.py course $(GPU_COURSE_ARGS)
+endif
+
+gpu-rehearsal: model
+	$(BIN)/python labsupport/bench/gpu_bundle.py rehearse $(filter-out --rehearse,$(GPU_COURSE_ARGS))
 
 # `make vllm`: vLLM in its own venv (it pins its own torch and transformers), for chapter 08 and
 # `bench compare`. With nvidia-smi: the CUDA package `vllm`, and nixl for chapter 08's NixlConnector

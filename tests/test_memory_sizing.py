@@ -102,6 +102,30 @@ def test_the_rule_itself_with_a_made_up_model():
         gpu_kv_cache_bytes(c, model, 100, 512, free=GiB, total=10 * GiB)
 
 
+H200 = 143771 * 2**20  # what the course's GPU machine reports
+
+
+def test_four_default_engines_fit_an_h200_beside_its_cuda_context(fake_gpu):
+    """Chapter 09 holds four engines of the default share at once (plain, speculative, then the sweep's two)."""
+    free, sizes = H200 - 2 * GiB, []  # the kernel's CUDA context and the weights' first copy
+    for _ in range(4):
+        sizes.append(fake_gpu(free, H200))
+        free -= int(0.2 * H200)
+    assert len(set(sizes)) == 1 and sizes[0] * fake_gpu.per_block > 25 * GiB
+    with pytest.raises(ValueError, match="shutdown"):
+        fake_gpu(free, H200)  # a fifth is refused with the way out, not an out-of-memory error mid-step
+
+
+def test_memory_the_allocator_keeps_from_a_dropped_engine_counts_as_free(monkeypatch):
+    """The driver counts PyTorch's cached blocks as used; the next engine's pool is carved out of them."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * GiB, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 30 * GiB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 4 * GiB)
+    assert loader.device_memory("cuda:0") == (36 * GiB, 80 * GiB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 30 * GiB)
+    assert loader.device_memory("cuda:0") == (10 * GiB, 80 * GiB)
+
+
 def test_device_memory_reads_the_machine_on_cpu():
     free, total = loader.device_memory("cpu")
     assert 0 < free <= total

@@ -35,9 +35,15 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``auto``: bf16 on a GPU that supports it, else fp16; fp32 on the CPU (fast and exact there)."""
+    """``auto``: bf16 on a GPU that supports it, else fp16; fp32 on the CPU (fast and exact there).
+
+    The environment variable ``LABSUPPORT_DTYPE`` (``float32``, ``bfloat16``, ...) replaces ``auto`` for every
+    engine of the process and of the processes it starts: a whole chapter, or the whole course
+    (``gpu_course --dtype``), run in another precision without editing a notebook."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto" and os.environ.get("LABSUPPORT_DTYPE", "auto") != "auto":
+        dtype = os.environ["LABSUPPORT_DTYPE"]
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -163,11 +169,17 @@ def shared_weights(folder: Path, device: torch.device, dtype: torch.dtype, tied:
 def device_memory(device: str | torch.device) -> tuple[int, int]:
     """``(free, total)`` bytes of ``device``'s memory: on CUDA the driver's figures, else the machine's RAM.
 
+    On CUDA, memory this process's caching allocator holds but no tensor uses counts as free: an engine
+    shut down or dropped earlier in the kernel (chapter 09 builds engines one after another) leaves its
+    pool there, where the driver counts it as used, yet the next engine's tensors are carved out of it.
+
     The engine reads device memory only here (``engine.build.blocks_in_budget``), so a test can put a
     fake figure in with ``monkeypatch.setattr("labsupport.engine.build.device_memory", ...)``."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)
+        free, total = torch.cuda.mem_get_info(device)
+        idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return min(total, free + max(0, idle)), total
     page, total = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_PHYS_PAGES")
     free = os.sysconf("SC_AVPHYS_PAGES") if "SC_AVPHYS_PAGES" in os.sysconf_names else total
     return free * page, total * page
