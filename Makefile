@@ -129,7 +129,7 @@ CLIENTS_VENV := .venv-clients
 clients: $(CLIENTS_VENV)/.installed
 $(CLIENTS_VENV)/.installed:
 	test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
-	$(CLIENTS_VENV)/bin/pip install guidellm==0.8.1
+	$(CLIENTS_VENV)/bin/pip install guidellm==0.8.1 py-spy==0.4.3
 	touch $@
 
 # Our server and `vllm serve`, one after the other, under vllm bench serve, guidellm and the openai SDK

@@ -11,7 +11,7 @@ import argparse
 import sys
 
 SUBCOMMANDS = ("compare", "roofline", "profile", "serve", "course-table", "spec", "roofline-lab", "quant", "capstone",
-               "serve-compare")
+               "serve-compare", "serve-profile")
 OWN_PARSERS = {"roofline-lab": "roofline_lab", "quant": "quant"}  # chapter 09's: they parse their own flags
 
 
@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     from . import serve_compare
     serve_compare.add_arguments(sub.add_parser("serve-compare", help="our server and vllm serve, one after the other, "
                                                                      "under vllm bench serve, guidellm and the openai SDK"))
+    from . import serve_profile
+    serve_profile.add_arguments(sub.add_parser("serve-profile", help="where our server's time goes at 64 streams "
+                                                                     "(py-spy over every thread, thread vs process)"))
     return parser
 
 
@@ -62,6 +65,10 @@ def main(argv: list[str]) -> int:
         if args.subcommand == "capstone":  # records the busy check (at its start) in its JSON
             from .capstone import main as capstone_main
             return capstone_main(args)
+        if args.subcommand == "serve-profile":
+            warn_if_busy()
+            from .serve_profile import main as serve_profile_main
+            return serve_profile_main(args)
         if args.subcommand == "serve-compare":
             warn_if_busy()
             from .serve_compare import main as serve_compare_main
