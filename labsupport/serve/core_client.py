@@ -95,6 +95,7 @@ class EngineCoreClient:
         self._context = zmq.Context()
         self._to_core, self._from_core = self._context.socket(zmq.PUSH), self._context.socket(zmq.PULL)
         inp, out = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        self._to_core.setsockopt(zmq.SNDHWM, 0)  # no cap: a flood of requests during a long step waits in memory
         self._to_core.bind(inp)
         self._from_core.bind(out)
         self._encoder = msgspec.msgpack.Encoder()
@@ -290,7 +291,14 @@ class EngineCoreClient:
                 return
             self._core_waiting = outputs.num_waiting
             for delta in outputs.deltas:
-                self._apply(delta)
+                try:
+                    self._apply(delta)
+                except Exception as exc:  # a bug here fails this request, never the others in the message
+                    log.exception("applying the core's output for %s failed", delta.request_id)
+                    track = self._live.get(delta.request_id)
+                    self._end(delta.request_id, "abort")  # the core frees it
+                    if track is not None:
+                        track.stream.put(track.index, RequestFailedError(f"internal error: {type(exc).__name__}"))
             for answer in outputs.answers:
                 future = self._calls.get(answer.call_id)
                 if future is not None and not future.done():

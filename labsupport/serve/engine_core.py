@@ -78,6 +78,7 @@ def run_engine_core(spec: CoreSpec):
         torch.set_num_threads(cpus)
     context = zmq.Context()
     inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.SNDHWM, 0)  # never block a step on a frontend that reads late
     inbox.connect(spec.input_address)
     outbox.connect(spec.output_address)
     encoder = msgspec.msgpack.Encoder()
