@@ -333,3 +333,19 @@ def test_vllm_bench_serves_parser_reads_every_token_of_our_streams(server):
         sent = sum(1 for event in "".join(reads).split("\n\n") if '"content"' in event)
         assert contents_by_read[0] == contents_by_cut[0] == sent
         assert not any(line.startswith(":") for line in "".join(reads).splitlines())
+
+
+def test_tenants_share_no_cached_blocks_through_the_core(core):
+    """Each API key is a tenant: its cache salt crosses to the core with the request, so one tenant's prompt is a
+    prefix-cache hit for itself and a miss for another."""
+    with BackgroundServer(create_app(core, "smol", api_keys=["alice", "bob"])) as srv:
+        prompt = "The support policy of the shop: " + "returns within thirty days, receipts required. " * 8
+
+        def cached(key):
+            r = httpx.post(srv.url + TEXT, json={"model": "smol", "prompt": prompt, "max_tokens": 2},
+                           headers={"Authorization": f"Bearer {key}"}, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached("alice") == 0
+        assert cached("alice") > 0
+        assert cached("bob") == 0
