@@ -39,6 +39,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 
 import torch
 
@@ -209,14 +210,29 @@ def compile_cpu_extension(name: str, what: str, source: str, functions: list[str
         return _built[name]
 
 
+STALE_LOCK_S = 900  # a build takes a minute or two; a lock this old was left by a process killed mid-build
+
+
 def _build_directory(module_name: str) -> str:
     """``~/.cache/torch_extensions/labsupport-<environment>/<module>`` (``TORCH_EXTENSIONS_DIR`` moves the root):
-    one folder per Python environment and torch version, so that two venvs (a clone's CI run beside a working
-    copy, a notebook kernel beside a terminal) never rebuild each other's extensions."""
+    one folder per Python environment, torch version and copy of this package, so that two venvs (a clone's CI
+    run beside a working copy, a notebook kernel beside a terminal) or two checkouts sharing a venv never rebuild
+    each other's extensions.
+
+    torch's builder holds a ``lock`` file in the folder while it compiles, and every other process waits for
+    it to go: a build killed midway (Ctrl-C, a timeout) leaves it behind and every later start waits forever.
+    One older than ``STALE_LOCK_S`` is removed."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
-    environment = hashlib.sha1(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:10]
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    environment = hashlib.sha1(f"{sys.prefix}|{torch.__version__}|{package}".encode()).hexdigest()[:10]
     path = os.path.join(root, f"labsupport-{environment}", module_name)
     os.makedirs(path, exist_ok=True)
+    lock = os.path.join(path, "lock")
+    try:
+        if time.time() - os.path.getmtime(lock) > STALE_LOCK_S:
+            os.remove(lock)
+    except OSError:
+        pass  # no lock (the usual case), or another process removed it first
     return path
 
 
