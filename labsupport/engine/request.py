@@ -194,6 +194,7 @@ class Request:
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             None if params.prompt_logprobs is None else [None])  # the first prompt token has nothing before it
         self.num_cached_tokens = 0  # prompt tokens reused from the prefix cache (or CPU tier) when first scheduled
+        self.num_host_cached_tokens = 0  # of those, the ones copied back from the CPU tier
         # the tokens min_tokens keeps from being drawn: stop_token_ids, and EOS (added by the engine)
         self.all_stop_token_ids: set[int] = set(params.stop_token_ids or ())
         self.kv_transfer_params: dict | None = None  # PD: where the next engine fetches this request's KV
