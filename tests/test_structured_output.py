@@ -102,3 +102,12 @@ def test_paths_of_unsupported_features_and_a_schema_that_is_fine():
 def test_bad_structured_outputs_are_refused_when_made(spec, needle):
     with pytest.raises(ValueError, match=needle):
         SamplingParams(structured_outputs=spec)
+
+
+def test_the_structured_bench_prints_the_grammars_cost_per_step(capsys):
+    from labsupport.bench.structured_bench import main
+    assert main(["--batch", "2", "--tokens", "6"]) == 0
+    printed = capsys.readouterr().out
+    assert "step, free text" in printed and "step, JSON schema" in printed
+    grammar = re.search(r"grammar work in the step: +median +([0-9.]+) ms = ([0-9.]+) ms per constrained", printed)
+    assert grammar and float(grammar.group(1)) > 0, printed
