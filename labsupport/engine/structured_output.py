@@ -76,6 +76,8 @@ def _check_compiles(key: tuple[str, str, bool]) -> None:
     try:
         if kind == "json":
             schema = json.loads(value)
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"structured_outputs.json must be a JSON Schema (an object), got {type(schema).__name__}")
             problems = unsupported_features(schema)
             if problems:
                 raise ValueError("the JSON schema uses what this server's grammar engine (xgrammar) would not "
@@ -87,7 +89,9 @@ def _check_compiles(key: tuple[str, str, bool]) -> None:
             xgr.Grammar.from_ebnf(_ebnf(kind, value))
     except json.JSONDecodeError as exc:
         raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
-    except RuntimeError as exc:  # xgrammar's parse errors: keep the message, drop the C++ file and line
+    except ValueError:
+        raise
+    except Exception as exc:  # xgrammar's parse errors (RuntimeError): keep the message, drop the C++ file and line
         raise ValueError(f"structured_outputs.{kind} cannot be compiled: {str(exc).split(': ', 1)[-1].strip()}") from None
 
 
