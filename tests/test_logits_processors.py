@@ -125,3 +125,13 @@ def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(llm, hf_model):
     want = [ref[i, t].item() for i, t in enumerate(prompt[1:])]
     assert got == pytest.approx(want, abs=1e-4)
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"] and not llm.engine.detokenizers
+
+
+def test_speculative_decoding_refuses_the_rules_its_verification_does_not_apply():
+    from labsupport import LLM
+    spec = LLM(device="cpu", num_blocks=16, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    for rule in ({"logit_bias": {5: 1.0}}, {"repetition_penalty": 1.2}, {"structured_outputs": {"json_object": True}}):
+        with pytest.raises(ValueError, match="speculative decoding"):
+            spec.generate("1, 2, 1, 2,", SamplingParams(max_tokens=4, **rule), use_tqdm=False)
+    assert spec.generate("1, 2, 1, 2,", SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0].token_ids
+    spec.shutdown()
