@@ -24,6 +24,8 @@ def message_text(i: int, message) -> str:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ValueError(f"message {i} must be a dict with a 'role' and a 'content'")
     content = message.get("content")
+    if content is None and message.get("role") == "assistant" and message.get("tool_calls"):
+        return ""  # an assistant's earlier tool calls (content null): the template renders the calls
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                    for p in content):
@@ -32,6 +34,9 @@ def message_text(i: int, message) -> str:
     if not isinstance(content, str):
         raise ValueError(f"message {i} ({message['role']}) needs a 'content' string, got {content!r}")
     return content
+
+
+TEMPLATE_KEYS = ("name", "tool_calls", "tool_call_id")  # a message's fields besides role and content
 
 
 @dataclass
@@ -86,15 +91,19 @@ class Frontend:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         ids, text = self.tokenize(prompt)
         self.engine.check_prompt(ids)
+        self.engine.check_params(params)
         if isinstance(prompt, dict) and cache_salt is None:
             cache_salt = prompt.get("cache_salt")
         return self.with_params(PreparedRequest(ids, text, params, cache_salt), params, use_result_cache)
 
-    def chat_tokens(self, messages, add_generation_prompt: bool = True) -> tuple[list[int], str]:
-        """``(token_ids, text)`` of a conversation through the model's chat template."""
-        messages = [{"role": m["role"], "content": message_text(i, m)} for i, m in enumerate(messages)]
+    def chat_tokens(self, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None
+                    ) -> tuple[list[int], str]:
+        """``(token_ids, text)`` of a conversation through the model's chat template (with ``tools``, if
+        given, for a template that shows them; a message's tool calls and tool-call id go to it too)."""
+        messages = [{**{k: m[k] for k in TEMPLATE_KEYS if k in m}, "role": m["role"], "content": message_text(i, m)}
+                    for i, m in enumerate(messages)]
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False)
+                                                  tokenize=False, **({"tools": tools} if tools else {}))
         return self.tokenizer(text, add_special_tokens=False).input_ids, text
 
     def with_params(self, prepared: PreparedRequest, params: SamplingParams,

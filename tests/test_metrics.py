@@ -136,7 +136,8 @@ def test_counters_histograms_and_gauges_equal_the_engines_counts(llm):
     metrics.on_step(engine, [], engine.last_step)
     for r in reqs:
         metrics.on_finished(r)
-    assert scrape(metrics) == m
+    assert {k: v for k, v in scrape(metrics).items() if k.startswith(PREFIX)} == \
+        {k: v for k, v in m.items() if k.startswith(PREFIX)}  # the process's CPU time moves on
 
 
 def test_kv_usage_gauge_follows_the_pool(llm):
@@ -251,8 +252,9 @@ def test_every_metric_is_exposed_with_its_labels_from_the_start():
                                        "prefix_cache_hits", "num_preemptions", "request_success",
                                        "prompt_tokens_computed", "prompt_tokens_cached", "prompt_tokens_by_source")}
     assert wanted <= exposed
-    samples = [line for line in body.splitlines() if line and not line.startswith("#")]
+    samples = [line for line in body.splitlines() if line.startswith(PREFIX)]  # process_* and python_* aside
     assert samples and all('model_name="my-model"' in s and 'engine="0"' in s for s in samples)
+    assert "process_resident_memory_bytes" in body and "python_gc_objects_collected_total" in body  # as vLLM's
     for reason in ("stop", "length", "abort", "error"):
         assert f'labsupport:request_success_total{{engine="0",finished_reason="{reason}",model_name="my-model"}} 0.0' \
             in body
@@ -385,17 +387,18 @@ def test_names_types_help_labels_and_buckets_equal_vllms():
     # the exposed names, _total and all: ours with the prefix swapped are vLLM's
     body = metrics.render()[0].decode()
     exposed = {line.split()[2] for line in body.splitlines() if line.startswith("# TYPE")
-               and not line.split()[2].endswith("_created")}
+               and not line.split()[2].endswith("_created") and line.split()[2].startswith(PREFIX)}
     exposed -= {PREFIX + n for n in OWN} | {f"{PREFIX}{n}_total" for n in OWN}
 
     def exposition_name(name, kind):
         return name if kind != "counter" or name.endswith("_total") else name + "_total"
 
-    vllm_exposed = {exposition_name("vllm:" + n, defs[n]["type"]) for n in theirs}
+    vllm_exposed = {exposition_name("vllm:" + n, defs[n]["type"] if n in defs else ours[n]) for n in theirs}
     assert {n.replace(PREFIX, "vllm:", 1) for n in exposed} == vllm_exposed
 
     values = parse_metrics(body)
-    for name in sorted(theirs):
+    assert set(theirs) - set(defs) == {"cache_config_info"}  # vLLM makes its info gauge from a computed name
+    for name in sorted(set(theirs) & set(defs)):
         d = defs[name]
         assert ours[name] == d["type"], name
         if d["help"] is not None:
@@ -414,3 +417,46 @@ def test_names_types_help_labels_and_buckets_equal_vllms():
                          if k.startswith(f"{PREFIX}{name}_bucket{{le=") and "+Inf" not in k)
             assert got == [float(b) for b in want], name
             assert all(math.isfinite(b) for b in got)
+
+
+# ------------------------------------------------------------------ vLLM's cache-source, waiting-reason and info families
+
+
+def test_cached_prompt_tokens_by_tier_waiting_by_reason_and_cache_config_info():
+    """A pool of 8 blocks with a CPU tier: a prompt's blocks, evicted by two others, come back from host
+    memory (``source="host"``); asked again at once, from the pool (``"device"``). The sources sum to
+    ``prefix_cache_hits``, the waiting reasons to ``num_requests_waiting``, at every step."""
+    llm = LLM(device="cpu", enable_prefix_caching=True, num_blocks=8, block_size=16, cpu_offload_blocks=32,
+              max_num_seqs=1)
+    engine, metrics = llm.engine, ServerMetrics(MODEL)
+    a, b, c = token_ids(llm, [LONG, LONG.upper(), LONG.replace(" ", "_")])
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+    def waiting_adds_up(out, m):
+        assert m['labsupport:num_requests_waiting_by_reason{reason="capacity"}'] == m["labsupport:num_requests_waiting"]
+        assert m['labsupport:num_requests_waiting_by_reason{reason="deferred"}'] == 0
+
+    run(engine, metrics, [a, b, c], params, waiting_adds_up)  # one at a time (max_num_seqs=1): two wait
+    run(engine, metrics, [a], params)  # its blocks went to the CPU tier
+    run(engine, metrics, [a], params)  # now in the pool again
+    m = scrape(metrics)
+    full = (len(a) - 1) // 16 * 16
+    src = "labsupport:prompt_tokens_cached_by_source_total"
+    assert m[f'{src}{{source="host"}}'] == full and m[f'{src}{{source="device"}}'] == full
+    assert m[src] == m["labsupport:prefix_cache_hits_total"] == 2 * full
+    assert m[f'{src}{{source="p2p"}}'] == m[f'{src}{{source="disk"}}'] == 0
+    info = m['labsupport:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",'
+             'engine="0",gpu_memory_utilization="0.2",kv_cache_memory_bytes="None",num_cpu_blocks="32",'
+             'num_gpu_blocks="8",num_gpu_blocks_override="8"}']
+    assert info == 1
+    llm.shutdown()
+
+
+def test_a_prompt_only_request_counts_its_prompt_and_no_token(llm):
+    metrics = ServerMetrics(MODEL)
+    [prompt] = token_ids(llm, [PROMPTS[0]])
+    run(llm.engine, metrics, [prompt], SamplingParams(max_tokens=0, prompt_logprobs=0))
+    m = scrape(metrics)
+    assert m["labsupport:prompt_tokens_total"] == len(prompt) and m["labsupport:generation_tokens_total"] == 0
+    assert m["labsupport:time_to_first_token_seconds_count"] == 0
+    assert m['labsupport:request_success_total{finished_reason="length"}'] == 1

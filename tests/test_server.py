@@ -71,7 +71,7 @@ def test_unknown_model_is_404_with_openai_error(client):
     ({"messages": QUESTION, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ({"messages": QUESTION, "top_p": 0}, "top_p"),
     ({"messages": QUESTION, "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
-    ({"messages": QUESTION, "presence_penalty": 0.5}, "presence_penalty"),
+    ({"messages": QUESTION, "presence_penalty": 2.5}, "presence_penalty"),  # honoured in [-2, 2]
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, "content"),
 ])
 def test_bad_requests_get_400_json_errors(server, body, needle):

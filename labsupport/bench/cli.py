@@ -1,5 +1,5 @@
-"""``python -m labsupport bench {compare,roofline,profile,serve,course-table,spec,roofline-lab,quant,capstone}``: the
-measuring subcommands (the last four are chapter 09's).
+"""``python -m labsupport bench {compare,roofline,profile,serve,course-table,spec,roofline-lab,quant,capstone,
+structured}``: the measuring subcommands (spec to capstone are chapter 09's; structured, chapter 06's).
 
 ``python -m labsupport bench --workload ...`` (flat flags, chapters 04-05) stays as it was:
 ``__main__`` sends argv here only when the word after ``bench`` is one of ``SUBCOMMANDS``, so
@@ -11,8 +11,9 @@ import argparse
 import sys
 
 SUBCOMMANDS = ("compare", "roofline", "profile", "serve", "course-table", "spec", "roofline-lab", "quant", "capstone",
-               "serve-compare", "serve-profile")
-OWN_PARSERS = {"roofline-lab": "roofline_lab", "quant": "quant"}  # chapter 09's: they parse their own flags
+               "serve-compare", "serve-profile", "structured")
+OWN_PARSERS = {"roofline-lab": "roofline_lab", "quant": "quant",  # chapter 09's: they parse their own flags
+               "structured": "structured_bench"}  # chapter 06's: what a structured-output grammar costs a step
 
 
 def build_parser() -> argparse.ArgumentParser:

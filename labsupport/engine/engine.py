@@ -30,6 +30,7 @@ from .plug_points import PlugPoints
 from .request import Request, RequestOutput, SamplingParams
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerOutput
+from .structured_output import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class LLMEngine(PlugPoints):
         self.speculator = (build.speculator(self.config, self.kv, self.backend, self.runner.sampler, self.model,
                                             self.draft_model, self.device)
                            if self.config.speculative_config else None)  # chapter 09
+        self.structured_outputs = self.runner.sampler.structured = StructuredOutputs(
+            self.tokenizer, self.model.config.vocab_size, self.scheduler.eos_token_ids)  # grammars compile on first use
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
         self.last_step: SchedulerOutput | None = None
@@ -78,13 +81,7 @@ class LLMEngine(PlugPoints):
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         self.check_prompt(prompt_token_ids)
-        vocab = self.model.config.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must lie in [0, {vocab}), got {params.stop_token_ids}")
-        if params.kv_transfer_params is not None:  # chapter 07: a PD hand-off needs a connector that can follow it
-            if self.connector is None:
-                raise ValueError("kv_transfer_params needs an engine with a KV connector (kv_transfer_config)")
-            self.connector.check_params(params.kv_transfer_params)
+        self.check_params(params)
         if isinstance(self.kv, ContiguousKVManager) and self.kv.budget_bytes is not None:
             need = self.kv.reservation_bytes(len(prompt_token_ids), params.max_tokens)
             if need > self.kv.budget_bytes:
@@ -99,6 +96,8 @@ class LLMEngine(PlugPoints):
                 raise ValueError(f"n={params.n} samples need as many sequence slots: max_num_seqs is "
                                  f"{self.config.max_num_seqs}")
         req = Request(prompt_token_ids, params, request_id, prompt, cache_salt)
+        if params.structured_outputs is not None:  # compiled here, in the engine: a failure is this request's error
+            self.structured_outputs.add(req)
         if not params.ignore_eos:
             req.all_stop_token_ids |= self.scheduler.eos_token_ids  # min_tokens holds EOS back too
         if self.config.detokenize:
@@ -109,11 +108,17 @@ class LLMEngine(PlugPoints):
 
     @property
     def limits(self) -> EngineLimits:
-        """What a prompt must satisfy here, read afresh (chunked prefill can change on a live engine)."""
+        """What a request must satisfy here, read afresh (chunked prefill can change on a live engine)."""
         paged = isinstance(self.kv, KVCacheManager)
         return EngineLimits(self.max_model_len, self.model.config.vocab_size, self.config.max_num_batched_tokens,
                             self.config.enable_chunked_prefill, self.kv.num_blocks if paged else None,
-                            self.kv.block_size if paged else None, self.connector is not None)
+                            self.kv.block_size if paged else None, self.connector is not None,
+                            self.speculator is not None)
+
+    def check_params(self, params: SamplingParams):
+        """Raise ValueError for sampling parameters this engine cannot follow (``EngineLimits.check_params``;
+        SamplingParams checked the rest when it was made)."""
+        self.limits.check_params(params)
 
     def check_prompt(self, prompt_token_ids: list[int]):
         """Raise ValueError, saying what to change, for a prompt this engine can never run."""

@@ -296,6 +296,7 @@ class KVCacheManager(KVManager):
             self.counters["prefix_cache_queries"] += req.num_tokens
             self.counters["prefix_cache_hits"] += reused * self.block_size
             self.counters["cpu_tier_hits"] += reused - len(hit.device_blocks)
+            req.num_host_cached_tokens = (reused - len(hit.device_blocks)) * self.block_size  # for /metrics' sources
         return reused * self.block_size
 
     def cache_full_blocks(self, req, num_tokens=None):

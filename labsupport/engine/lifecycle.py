@@ -55,6 +55,12 @@ class RequestLifecycle:
                 req.num_computed_tokens = start + fed if self.kv.keeps_kv else 0
                 self.kv.cache_full_blocks(req)
                 continue  # a prompt chunk: more to feed before the next token
+            if req.params.max_tokens == 0:  # prompt only (its logprobs): scored, nothing generated
+                req.num_computed_tokens = start + fed if self.kv.keeps_kv else 0
+                got_token.append(req)
+                self.finish(req, "length")
+                out.finished.append(req)
+                continue
             new_logprobs = [*getattr(sampled, "spec_logprobs", {}).get(i, [None] * len(accepted)), token_logprobs]
             reason = None
             for new_token, new_lp in zip([*accepted, token], new_logprobs):
@@ -103,8 +109,10 @@ class RequestLifecycle:
 
     def stop_reason(self, req: Request, token: int) -> str | None:
         """EOS or a stop token id ends a request once ``min_tokens`` tokens came before it (the sampler
-        does not draw them earlier; this holds for any runner); ``max_tokens`` and the context always do."""
-        if len(req.output_token_ids) > req.params.min_tokens:
+        does not draw them earlier; this holds for any runner); ``max_tokens`` and the context always do.
+        A structured-output request draws one earlier only when its grammar has ended and allows nothing
+        else (``Sampler._hold_back_stop_tokens``): then it ends there, as the grammar says."""
+        if len(req.output_token_ids) > req.params.min_tokens or getattr(req.params, "structured_outputs", None):
             if token in self.eos_token_ids and not req.params.ignore_eos:
                 return "stop"
             if token in req.params.stop_token_ids:

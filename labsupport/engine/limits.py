@@ -23,6 +23,7 @@ class EngineLimits:
     num_blocks: int | None = None  # paged KV: the pool's blocks (None: no pool, nothing to count)
     block_size: int | None = None
     has_connector: bool = False  # chapter 07: a KV connector takes kv_transfer_params
+    speculative: bool = False  # chapter 09: speculative decoding is on
 
     def check_prompt(self, prompt_token_ids: list[int]):
         """Raise ValueError, saying what to change, for a prompt this engine can never run."""
@@ -42,3 +43,24 @@ class EngineLimits:
                              "raise num_blocks or kv_cache_memory_bytes, or shorten the prompt")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
+
+    def check_params(self, params):
+        """Raise ValueError for ``SamplingParams`` this engine cannot follow (the object checked the rest when
+        it was made): token ids outside the vocabulary, options its configuration lacks."""
+        vocab = self.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must lie in [0, {vocab}), got {params.stop_token_ids}")
+        outside = sorted(t for t in params.logit_bias or () if t >= vocab)
+        if outside:
+            raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab}): {outside[:10]}")
+        if self.speculative:
+            from .logits_processors import needs_processing
+            if needs_processing(params) or params.structured_outputs is not None:
+                raise ValueError("logit_bias, penalties and structured outputs are not supported with speculative "
+                                 "decoding here (its verification step does not apply them): leave them at their "
+                                 "defaults")
+        if params.kv_transfer_params is not None:  # chapter 07: a PD hand-off needs a connector that can follow it
+            if not self.has_connector:
+                raise ValueError("kv_transfer_params needs an engine with a KV connector (kv_transfer_config)")
+            from ..pd.connector import TcpConnector
+            TcpConnector.check_params(params.kv_transfer_params)

@@ -15,6 +15,9 @@ import numbers
 import time
 from dataclasses import dataclass, field
 
+from .logits_processors import check_logit_bias, check_penalties
+from .structured_output import normalize as normalize_structured_outputs
+
 
 _INT64 = (-(1 << 63), (1 << 63) - 1)  # a seed is a signed 64-bit integer, as torch and vLLM take it
 MAX_LOGPROBS = 20  # the most alternatives per position, as OpenAI's top_logprobs allows
@@ -52,10 +55,17 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     kv_transfer_params: dict | None = None  # PD (chapter 07): do_remote_decode / do_remote_prefill and where
     n: int = 1  # parallel samples of one prompt (chapter 04): forked after the prompt, blocks copied on write
+    # chapter 06's API: rules on the logits before sampling (logits_processors.py, structured_output.py)
+    presence_penalty: float = 0.0  # OpenAI's: minus this for every token already in the output
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times how often the token is in the output
+    repetition_penalty: float = 1.0  # vLLM's: tokens of the prompt or output divided (> 0) / multiplied by it
+    logit_bias: dict[int, float] | None = None  # {token id: bias in [-100, 100]} added to the logits
+    structured_outputs: dict | None = None  # {"json": schema} | {"json_object": True} | {"regex": ...} | ...
 
     def __post_init__(self):
-        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
+            raise ValueError(f"max_tokens must be a positive integer (0 only with prompt_logprobs set: score the "
+                             f"prompt and generate nothing), got {self.max_tokens!r}")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:  # NaN fails the comparison too
@@ -99,6 +109,12 @@ class SamplingParams:
         self.n = int(self.n)
         if self.seed is not None and self.seed + self.n - 1 > _INT64[1]:
             raise ValueError(f"sample i is drawn with seed + i: seed + n - 1 must fit in 64 bits, got seed={self.seed}")
+        if self.max_tokens == 0 and self.n > 1:
+            raise ValueError("max_tokens=0 scores the prompt only: n > 1 would give n copies of the same scores")
+        self.presence_penalty, self.frequency_penalty, self.repetition_penalty = check_penalties(
+            self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
+        self.logit_bias = check_logit_bias(self.logit_bias)
+        self.structured_outputs = normalize_structured_outputs(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:
@@ -178,6 +194,7 @@ class Request:
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             None if params.prompt_logprobs is None else [None])  # the first prompt token has nothing before it
         self.num_cached_tokens = 0  # prompt tokens reused from the prefix cache (or CPU tier) when first scheduled
+        self.num_host_cached_tokens = 0  # of those, the ones copied back from the CPU tier
         # the tokens min_tokens keeps from being drawn: stop_token_ids, and EOS (added by the engine)
         self.all_stop_token_ids: set[int] = set(params.stop_token_ids or ())
         self.kv_transfer_params: dict | None = None  # PD: where the next engine fetches this request's KV

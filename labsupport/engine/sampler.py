@@ -5,15 +5,20 @@ Greedy (temperature 0) is argmax, which is what makes our tokens comparable with
 filtering (vLLM's order), then a draw from a per-request generator, so a fixed ``seed`` gives
 the same text no matter which other requests share the batch.
 
-Two rules come before either: a request that has not yet produced ``min_tokens`` tokens cannot
-draw EOS or one of its ``stop_token_ids`` (their logits become -inf, as vLLM's min-tokens
-processor does). And logprobs are those of the *raw* logits, before any of this (vLLM's
-default ``raw_logprobs``): what the model thinks, not what the sampling rules left of it.
+Rules come before either, in vLLM's order: a structured-output grammar masks the tokens it does
+not allow (``structured_output.py``); a request that has not yet produced ``min_tokens`` tokens
+cannot draw EOS or one of its ``stop_token_ids`` (their logits become -inf, as vLLM's min-tokens
+processor does, unless the grammar allows nothing else); then ``logit_bias`` and the repetition,
+frequency and presence penalties (``logits_processors.py``). Logprobs are those of the *raw*
+logits, before the sampling rules (vLLM's default ``raw_logprobs``): what the model thinks, not
+what the rules left of it; only the grammar's mask comes first, as in vLLM, where it is applied
+to the logits before the sampler sees them.
 """
 from __future__ import annotations
 
 import torch
 
+from .logits_processors import Penalties, apply_logit_bias, has_penalties
 from .request import Request
 
 
@@ -57,6 +62,8 @@ def logprob_dicts(logprobs: torch.Tensor, chosen: list[int], ks: list[int]) -> l
 class Sampler:
     def __init__(self):
         self.generators: dict[str, torch.Generator] = {}
+        self.penalties = Penalties()  # per request: output token counts, prompt token set
+        self.structured = None  # StructuredOutputs, set by the engine (it needs the tokenizer)
 
     def sample(self, logits: torch.Tensor, requests: list[Request],
                num_new_tokens: list[int] | None = None) -> SamplerOutput:
@@ -68,27 +75,49 @@ class Sampler:
         how the prompt happened to be chunked, and the same seed would give another text.
         """
         fed = num_new_tokens or [None] * len(requests)
-        kept = [n is None or req.num_computed_tokens + n >= len(req.all_token_ids) for req, n in zip(requests, fed)]
+        kept = [(n is None or req.num_computed_tokens + n >= len(req.all_token_ids)) and option(req, "max_tokens", 1) > 0
+                for req, n in zip(requests, fed)]  # max_tokens=0: the prompt is scored, no token is kept
+        if self.structured is not None:
+            logits = self.structured.mask(logits, requests, kept)
         raw = logits
         logits = self._hold_back_stop_tokens(logits, requests)
+        logits = self._bias_and_penalize(logits, raw, requests, kept)
         tokens = logits.argmax(dim=-1).tolist()
         for i, req in enumerate(requests):
             if kept[i] and not req.params.greedy:
                 tokens[i] = self._draw(logits[i], req)
+        if self.structured is not None:
+            self.structured.accept(requests, tokens, kept)
         asked = [req if k else None for req, k in zip(requests, kept)]
         return SamplerOutput(tokens, self._logprobs(raw, asked, tokens))
 
+    def _bias_and_penalize(self, logits: torch.Tensor, raw: torch.Tensor, requests: list[Request],
+                           kept: list[bool]) -> torch.Tensor:
+        """logit_bias, then the penalties (vLLM's order), on a float32 copy of the kept rows that have them."""
+        biased = [i for i, req in enumerate(requests) if kept[i] and option(req, "logit_bias")]
+        penalized = [i for i, req in enumerate(requests) if kept[i] and has_penalties(req.params)]
+        if not biased and not penalized:
+            return logits
+        if logits is raw or logits.dtype != torch.float32:  # the raw logits stay as they are (logprobs)
+            logits = logits.to(torch.float32, copy=True)
+        apply_logit_bias(logits, biased, requests)
+        self.penalties.apply(logits, penalized, requests)
+        return logits
+
     @staticmethod
     def _hold_back_stop_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """min_tokens: EOS and the stop token ids get -inf until the request has that many tokens."""
+        """min_tokens: EOS and the stop token ids get -inf until the request has that many tokens; a row
+        the grammar left nothing else in keeps them (vLLM restores them so: a finished grammar must stop)."""
         rows = [(i, [t for t in req.all_stop_token_ids if t < logits.shape[-1]]) for i, req in enumerate(requests)
                 if len(getattr(req, "output_token_ids", ())) < option(req, "min_tokens", 0)]
         if not any(ids for _, ids in rows):
             return logits
-        logits = logits.clone()  # the raw logits stay as they are: logprobs are computed from them
+        held = logits.clone()  # the raw logits stay as they are: logprobs are computed from them
         for i, ids in rows:
-            logits[i, ids] = float("-inf")
-        return logits
+            held[i, ids] = float("-inf")
+            if option(requests[i], "structured_outputs") is not None and torch.isneginf(held[i]).all():
+                held[i] = logits[i]
+        return held
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, requests: list[Request], tokens: list[int]) -> list[dict | None]:
@@ -157,6 +186,9 @@ class Sampler:
 
     def release(self, req: Request):
         self.generators.pop(req.request_id, None)
+        self.penalties.release(req.request_id)
+        if self.structured is not None:
+            self.structured.release(req.request_id)
 
 
 def seeded_generator(generators: dict, req, device, salt: int = 0) -> torch.Generator | None:

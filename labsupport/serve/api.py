@@ -40,6 +40,7 @@ from .completions import Completion, context_error, prompt_chars
 from .guard import DEFAULT_MAX_BODY_BYTES, Guard, bearer_token, tenant_salt
 from .loop_lag import LoopLag
 from .openai_format import TokenText
+from .openapi import document_errors
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        error_response)
 
@@ -103,6 +104,7 @@ def create_app(source, served_model_name: str | None = None, *, api_keys=(), max
     app.state.engine, app.state.llm, app.state.model_name = engine, llm, name
     app.add_middleware(Guard, api_keys=list(api_keys), max_body_bytes=max_request_body_bytes)
     add_error_handlers(app)
+    document_errors(app)  # /openapi.json: 400 with OpenAI's error body where FastAPI would say 422
 
     def check_model(model: str | None):
         if model is not None and model != name:
@@ -230,7 +232,8 @@ def add_error_handlers(app: FastAPI):
     async def bad_request(_, exc: RequestValidationError):
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"] if p != "body")
-        return error_response(400, f"{where}: {first['msg']}" if where else first["msg"], param=where or None)
+        return error_response(400, f"{where}: {first['msg']}" if where else first["msg"],
+                              param=where or (first.get("ctx") or {}).get("where"))
 
     @app.exception_handler(HTTPException)
     async def http_error(_, exc: HTTPException):

@@ -28,6 +28,8 @@ from ..frontend import PreparedRequest
 from . import openai_format as fmt
 from .async_engine import EngineUnavailableError, RequestFailedError
 from .protocol import MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest, error_body
+from .structured import structured_outputs
+from .tools import check_tools, template_tools
 
 log = logging.getLogger(__name__)
 INT64 = 1 << 63
@@ -75,15 +77,14 @@ def prompt_chars(body) -> int:
 def sampling_params(body, max_tokens: int, vocab_size: int, seed_offset: int = 0,
                     logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's parameters for one choice; a value it refuses is a 400 saying why."""
-    if body.presence_penalty or body.frequency_penalty:
-        raise APIError(400, "presence_penalty and frequency_penalty are not supported by this engine; leave them at 0",
-                       param="presence_penalty" if body.presence_penalty else "frequency_penalty")
     seed = body.seed
     if seed is not None and seed_offset and -INT64 <= seed < INT64:
         seed = (seed + seed_offset + INT64) % (2 * INT64) - INT64  # wraps within int64, as a seed must stay
     extras = {"top_k": min(body.top_k, vocab_size) if body.top_k > 0 else None, "min_tokens": body.min_tokens or None,
               "stop_token_ids": body.stop_token_ids, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
-              "kv_transfer_params": body.kv_transfer_params}
+              "kv_transfer_params": body.kv_transfer_params, "presence_penalty": body.presence_penalty,
+              "frequency_penalty": body.frequency_penalty, "repetition_penalty": body.repetition_penalty,
+              "logit_bias": body.logit_bias, "structured_outputs": structured_outputs(body)}
     extras = {k: v for k, v in extras.items() if v is not None}  # only what was asked for
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=seed,
@@ -91,7 +92,7 @@ def sampling_params(body, max_tokens: int, vocab_size: int, seed_offset: int = 0
     except TypeError as exc:  # an engine without these options yet
         raise APIError(400, f"this engine does not support {sorted(extras)} yet ({exc})") from exc
     except ValueError as exc:
-        raise APIError(400, str(exc)) from exc
+        raise APIError(400, str(exc), param=next((k for k in extras if str(exc).startswith(k)), None)) from exc
 
 
 def sse(*payloads: str) -> bytes:
@@ -120,6 +121,11 @@ class Completion:
         self.created = int(time.time())
         self.num_top = body.num_logprobs()
         self.echo = not self.chat and body.echo
+        if self.chat:
+            check_tools(body)
+        elif body.suffix is not None:
+            raise APIError(400, "suffix is not supported: this server has no fill-in-the-middle template for its "
+                                "model; put the text in the prompt", param="suffix")
         prompts = [[m.as_dict() for m in body.messages]] if self.chat else body.prompts()
         has_connector = frontend.engine.limits.has_connector
         if body.kv_transfer_params is not None and (len(prompts) * body.n != 1 or not has_connector):
@@ -137,27 +143,38 @@ class Completion:
     def _prepare(self, prompt, cache_salt) -> list[PreparedRequest]:
         engine = self.frontend.engine
         try:
-            ids, text = self.frontend.tokenize({"prompt_token_ids": prompt} if isinstance(prompt, list)
-                                               and not self.chat else prompt)
+            if self.chat:
+                ids, text = self.frontend.chat_tokens(prompt, tools=template_tools(self.body))
+            else:
+                ids, text = self.frontend.tokenize({"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt)
             if not ids:
                 raise ValueError("the prompt is empty: give at least one token of text")
             limit = self.body.limit()
             if limit is None and not self.chat:
                 limit = DEFAULT_COMPLETION_MAX_TOKENS
+            if limit == 0 and not self.echo:
+                raise APIError(400, "max_tokens must be at least 1 (0 only with echo=true on /v1/completions: the "
+                                    "prompt and its logprobs come back and nothing is generated)", param="max_tokens")
             max_tokens = context_check(len(ids), limit, engine.limits.max_model_len)
             engine.check_prompt(ids)  # the engine's other rules (token range, batch budget, pool size)
-            if self.body.kv_transfer_params is not None:  # PD: fields the connector could not follow are a 400
-                from ..pd.connector import TcpConnector
-                TcpConnector.check_params(self.body.kv_transfer_params)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages" if self.chat else "prompt") from exc
         if text is None and self.echo:
             text = self.frontend.tokenizer.decode(ids)
         first = PreparedRequest(ids, text, SamplingParams(), cache_salt)
         vocab = engine.limits.vocab_size
-        return [self.frontend.with_params(first, sampling_params(
-            self.body, max_tokens, vocab, i, self.num_top, self.num_top if self.echo else None),
-            use_result_cache=not self.body.skip_result_cache) for i in range(self.body.n)]
+        prompt_logprobs = self.num_top if self.echo else None
+        if max_tokens == 0 and prompt_logprobs is None:  # echo, max_tokens=0: a prompt-only engine request
+            prompt_logprobs = 0
+        params = [sampling_params(self.body, max_tokens, vocab, i, self.num_top, prompt_logprobs)
+                  for i in range(self.body.n)]
+        for p in params:
+            try:
+                engine.limits.check_params(p)  # the engine's rules for them (vocabulary, options it lacks)
+            except ValueError as exc:
+                raise APIError(400, str(exc)) from exc
+        return [self.frontend.with_params(first, p, use_result_cache=not self.body.skip_result_cache)
+                for p in params]
 
     # ------------------------------------------------------------------ running
 

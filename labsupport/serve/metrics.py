@@ -20,8 +20,11 @@ actually run through the model: cache hits excluded, recomputation after a preem
 again: the work prefix caching saves) and ``labsupport:kv_cache_free_blocks``.
 
 Not exposed, because our engine has no such thing (``NOT_IMPLEMENTED`` lists them): LoRA,
-multi-modal, speculative decoding, KV connectors and KV fetch stages, watermarking, NaN
-detection, sleep mode, admission limits, cache-tier sources, KV block residency sampling.
+multi-modal, KV fetch stages, watermarking, NaN detection, sleep mode, admission limits, KV block
+residency sampling. As on vLLM's ``/metrics``, the process's own metrics come too
+(prometheus_client's ``process_*`` for this process: CPU seconds, resident memory, open files;
+``python_gc_*`` and ``python_info``); ``labsupport:cache_config_info`` is vLLM's info gauge (always
+1) whose labels are the KV cache's settings under vLLM's ``CacheConfig`` names.
 
 The server's engine-loop thread calls ``on_step`` after every ``engine.step()`` and
 ``on_finished`` for every request that finished (done, stopped, aborted, failed); the HTTP thread
@@ -37,10 +40,12 @@ import logging
 import time
 import weakref
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR,
+                               CollectorRegistry, Counter, Gauge, Histogram, generate_latest)
 
-from .metrics_catalog import (CONNECTOR_COUNTERS, COUNTERS, DEFAULT_MAX_MODEL_LEN, GAUGES, HISTOGRAMS, LABELLED_COUNTERS,
-                              LABELS, PREFIX, SPEC_COUNTERS, request_tokens_buckets)
+from .metrics_catalog import (CACHE_CONFIG_LABELS, CONNECTOR_COUNTERS, COUNTERS, DEFAULT_MAX_MODEL_LEN, GAUGES,
+                              HISTOGRAMS, INFO, LABELLED_COUNTERS, LABELLED_GAUGES, LABELS, PREFIX, SPEC_COUNTERS,
+                              request_tokens_buckets)
 from .metrics_parse import parse_metrics  # noqa: F401  (notebooks import it from here)
 
 log = logging.getLogger(__name__)
@@ -68,6 +73,13 @@ class ServerMetrics:
         for n, (doc, label, values) in LABELLED_COUNTERS.items():
             family = self._families[n] = Counter(PREFIX + n, doc, (*LABELS, label), registry=self.registry)
             self.labelled[n] = {v: family.labels(*labels, v) for v in values}  # all exposed from the start, as vLLM
+        for n, (doc, label, values) in LABELLED_GAUGES.items():
+            family = Gauge(PREFIX + n, doc, (*LABELS, label), registry=self.registry)
+            self.labelled[n] = {v: family.labels(*labels, v) for v in values}
+        self.info = {n: Gauge(PREFIX + n, doc, CACHE_CONFIG_LABELS, registry=self.registry) for n, doc in INFO.items()}
+        if registry is None:  # the process's own metrics, as vLLM's /metrics has them (the shared collectors)
+            for collector in (PROCESS_COLLECTOR, GC_COLLECTOR, PLATFORM_COLLECTOR):
+                self.registry.register(collector)
         self.histograms = {n: Histogram(PREFIX + n, doc, LABELS, registry=self.registry,
                                         buckets=token_buckets if buckets is None else buckets).labels(*labels)
                            for n, (doc, buckets) in HISTOGRAMS.items()}
@@ -106,17 +118,20 @@ class ServerMetrics:
             if caching and first_scheduled is not None and first_scheduled >= out.start and req.num_preemptions == 0:
                 queries += len(req.prompt_token_ids)  # first admitted this step, as the engine counts
                 hits += req.num_cached_tokens
+                self._count_hit_sources(req)
         prompt = cached = 0
         for req in requests_with_new_token:
             times = req.metrics.token_times
-            if len(req.output_token_ids) == 1:  # its first token: the prefill is done
+            prompt_only = not req.output_token_ids and getattr(req.params, "max_tokens", 1) == 0  # scored, no token
+            if len(req.output_token_ids) == 1 or prompt_only:  # its first token (or none to come): the prefill is done
                 p, c, ext = len(req.prompt_token_ids), req.num_cached_tokens, getattr(req, "num_external_tokens", 0)
                 prompt, cached = prompt + p, cached + c
                 self.labelled["prompt_tokens_by_source"]["local_compute"].inc(p - c)
                 self.labelled["prompt_tokens_by_source"]["local_cache_hit"].inc(c - ext)
                 self.labelled["prompt_tokens_by_source"]["external_kv_transfer"].inc(ext)
-                self.histograms["time_to_first_token_seconds"].observe(req.metrics.first_token_time
-                                                                       - req.metrics.arrival_time)
+                if not prompt_only:
+                    self.histograms["time_to_first_token_seconds"].observe(req.metrics.first_token_time
+                                                                           - req.metrics.arrival_time)
             elif len(times) >= 2:  # accepted guesses (chapter 09): several tokens, several gaps (0 within a step)
                 m = min(max(1, getattr(req, "num_new_output_tokens", 1)), len(times) - 1)
                 for before, after in zip(times[-m - 1:-1], times[-m:]):
@@ -125,7 +140,8 @@ class ServerMetrics:
         c["prompt_tokens"].inc(prompt)
         c["prompt_tokens_cached"].inc(cached)
         c["prompt_tokens_computed"].inc(computed)
-        c["generation_tokens"].inc(sum(max(1, getattr(r, "num_new_output_tokens", 1)) for r in requests_with_new_token))
+        c["generation_tokens"].inc(sum(max(1, getattr(r, "num_new_output_tokens", 1)) for r in requests_with_new_token
+                                       if r.output_token_ids))  # a prompt-only request (max_tokens=0) made none
         self._count_speculation(engine)
         c["prefix_cache_queries"].inc(queries)
         c["prefix_cache_hits"].inc(hits)
@@ -144,11 +160,38 @@ class ServerMetrics:
             self._per_pos.labels(self.model_name, "0", str(pos)).inc(value - self._spec_seen.get(key, 0))
             self._spec_seen[key] = value
 
+    def _count_hit_sources(self, req):
+        """A first admission's cached prompt tokens by tier: ``host`` copied back from the CPU tier
+        (chapter 03), ``p2p`` pulled from another engine (chapter 07), ``device`` the pool's own."""
+        host, ext = getattr(req, "num_host_cached_tokens", 0), getattr(req, "num_external_tokens", 0)
+        by_source = self.labelled["prompt_tokens_cached_by_source"]
+        by_source["host"].inc(host)
+        by_source["p2p"].inc(ext)
+        by_source["device"].inc(max(0, req.num_cached_tokens - host - ext))
+
+    def _set_cache_config(self, engine):
+        """``cache_config_info``: set once, from the engine's configuration and pool."""
+        c = engine.config
+        info = {"block_size": c.block_size if c.kv_cache == "paged" else None,
+                "gpu_memory_utilization": c.gpu_memory_utilization, "cache_dtype": "auto",
+                "num_gpu_blocks_override": c.num_blocks, "enable_prefix_caching": c.enable_prefix_caching,
+                "num_gpu_blocks": engine.kv.stats().get("kv_blocks_total"), "num_cpu_blocks": c.cpu_offload_blocks,
+                "kv_cache_memory_bytes": c.kv_cache_memory_bytes, "engine": "0"}
+        self.info["cache_config_info"].labels(**{k: str(v) for k, v in info.items()}).set(1)
+        self._cache_config_set = True
+
+    _cache_config_set = False
+
     def _update_gauges(self, engine):
+        if not self._cache_config_set and hasattr(engine, "config"):
+            self._set_cache_config(engine)
         g = self.gauges
         g["num_requests_running"].set(len(engine.scheduler.running))
         loading = sum(not r.is_finished for r in getattr(engine.scheduler, "loading", {}).values())
         g["num_requests_waiting"].set(len(engine.scheduler.waiting) + loading)  # KV on its way: waiting too (vLLM)
+        waiting = self.labelled["num_requests_waiting_by_reason"]
+        waiting["capacity"].set(len(engine.scheduler.waiting))
+        waiting["deferred"].set(loading)
         connector = getattr(engine, "connector", None)
         if connector is not None:
             g["kv_requests_held"].set(len(engine.scheduler.held))
@@ -209,6 +252,6 @@ class ServerMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     def names(self) -> dict[str, str]:
-        """Every metric family this object exposes, name (as constructed: counters without
-        ``_total``) -> type (``gauge``, ``counter``, ``histogram``)."""
-        return {f.name: f.type for f in self.registry.collect()}
+        """Every ``labsupport:`` metric family this object exposes (the process's own aside), name (as
+        constructed: counters without ``_total``) -> type (``gauge``, ``counter``, ``histogram``)."""
+        return {f.name: f.type for f in self.registry.collect() if f.name.startswith(PREFIX)}

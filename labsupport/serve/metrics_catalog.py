@@ -12,6 +12,8 @@ PREFIX = "labsupport:"
 LABELS = ("model_name", "engine")  # vLLM's: the served model name, the engine index (always "0" here)
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")  # vLLM's FinishReason strings
 PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")  # vLLM's sources
+CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")  # vLLM's CacheHitSource values
+WAITING_REASONS = ("capacity", "deferred")  # vLLM's: queued for room; deferred (here: its KV on the way)
 DEFAULT_MAX_MODEL_LEN = 8192  # the engine's default cap on max_model_len
 
 # vLLM's bucket families (vllm/v1/metrics/buckets.py, v0.32.0)
@@ -71,7 +73,26 @@ CONNECTOR_COUNTERS = ("kv_transfer_bytes_sent", "kv_transfer_bytes_received", "k
 LABELLED_COUNTERS = {  # name -> (help, extra label, its values)
     "request_success": ("Count of successfully processed requests.", "finished_reason", FINISH_REASONS),
     "prompt_tokens_by_source": ("Number of prompt tokens by source.", "source", PROMPT_TOKEN_SOURCES),
+    # device: the KV pool's prefix cache; host: the CPU tier (chapter 03); p2p: another engine (chapter 07)
+    "prompt_tokens_cached_by_source": ("Prefix-cache hit tokens by the cache tier that supplied them: "
+                                       "device (local HBM), host (offloaded to DRAM), disk, p2p "
+                                       "(transferred from another vLLM instance) or "
+                                       "external_unspecified. Counted at admission; sums to "
+                                       "vllm:prefix_cache_hits + vllm:external_prefix_cache_hits.",
+                                       "source", CACHE_HIT_SOURCES),
 }
+LABELLED_GAUGES = {
+    "num_requests_waiting_by_reason": ("Number of waiting requests by reason. "
+                                       "Reason labels: 'capacity' = waiting for scheduling capacity; "
+                                       "'deferred' = deferred by transient constraints "
+                                       "(LoRA budget, KV transfer, blocked status). "
+                                       "Sum of all reasons equals vllm:num_requests_waiting.",
+                                       "reason", WAITING_REASONS),
+}
+# vLLM's info gauge (always 1): its labels are the engine's cache settings under vLLM's CacheConfig names
+INFO = {"cache_config_info": "Information of the LLMEngine CacheConfig"}
+CACHE_CONFIG_LABELS = ("block_size", "gpu_memory_utilization", "cache_dtype", "num_gpu_blocks_override",
+                       "enable_prefix_caching", "num_gpu_blocks", "num_cpu_blocks", "kv_cache_memory_bytes", "engine")
 HISTOGRAMS = {  # name -> (help, buckets; None: the request-token series up to max_model_len)
     "time_to_first_token_seconds": ("Histogram of time to first token in seconds.", TIME_TO_FIRST_TOKEN_BUCKETS),
     "inter_token_latency_seconds": ("Histogram of inter-token latency in seconds.", INTER_TOKEN_LATENCY_BUCKETS),
@@ -102,7 +123,6 @@ OWN = ("kv_cache_free_blocks", "prompt_tokens_computed", "kv_requests_held", *CO
 
 # vLLM metrics (names after "vllm:") we do not expose, and why
 NOT_IMPLEMENTED = {
-    "num_requests_waiting_by_reason": "no deferred waiting (LoRA budget, KV transfer)",
     "num_requests_kv_fetch_by_stage": "not tracked (kv_requests_held and num_requests_waiting are)",
     "engine_sleep_state": "no sleep mode",
     "corrupted_requests": "no NaN-in-logits detection",
@@ -111,11 +131,9 @@ NOT_IMPLEMENTED = {
     "external_prefix_cache_hits": "not counted separately (prompt_tokens_by_source has external_kv_transfer)",
     "mm_cache_queries": "no multi-modal inputs",
     "mm_cache_hits": "no multi-modal inputs",
-    "prompt_tokens_cached_by_source": "cache-tier sources (device/host/disk/p2p) not tracked per request",
     "admission_rejections": "no queue limits in the frontend",
     "kv_block_lifetime_seconds": "no KV block residency sampling",
     "kv_block_idle_before_evict_seconds": "no KV block residency sampling",
     "kv_block_reuse_gap_seconds": "no KV block residency sampling",
     "lora_requests_info": "no LoRA",
-    "cache_config_info": "no cache-config info gauge",
 }

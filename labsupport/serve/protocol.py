@@ -5,15 +5,22 @@ Field names and defaults follow OpenAI's API and vLLM's extensions (``top_k``, `
 ``vllm bench serve`` work unchanged. The models check *shapes* and *ranges*; the engine's own
 rules (``SamplingParams``, the prompt check) run afterwards and also answer 400. NaN and
 infinity are refused here (``allow_inf_nan=False``): JSON allows them as extensions, and a NaN
-temperature reaching the sampler would fail every request sharing its step. Unknown fields are
-ignored, as OpenAI and vLLM do, so newer clients keep working.
+temperature reaching the sampler would fail every request sharing its step. Types are strict
+(``strict=True``): ``"stream": "yes"``, ``"max_tokens": "4"`` or ``"prompt": [true, false]`` is a
+400, not a guess (an integer is still a valid float). A string anywhere in a body, keys included,
+must be valid Unicode text: JSON's ``"\\ud800"`` escape decodes to a lone surrogate, which no
+tokenizer can encode and no answer can echo, so ``RequestBody`` refuses it once, for every field,
+before any field is read. Unknown fields are ignored, as OpenAI and vLLM do, so newer clients keep
+working; fields we know and cannot honour (``suffix``, ``tools`` without a parser) are refused by
+the routes with a 400 that says so.
 """
 from __future__ import annotations
 
 from typing import Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs: top-k lists cost a sort per token and step
 MAX_CHOICES = 128  # n x prompts in one request: beyond this, send several requests
@@ -36,7 +43,50 @@ def error_body(status: int, message: str, type_: str = "invalid_request_error", 
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(allow_inf_nan=False)
+    model_config = ConfigDict(allow_inf_nan=False, strict=True)
+
+
+def is_valid_text(text: str) -> bool:
+    """False for a string holding a lone surrogate (U+D800-U+DFFF): UTF-8 cannot encode it."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def lone_surrogate_at(body) -> str | None:
+    """The path (``messages.0.content``) of the first string in a parsed JSON body, dict keys included,
+    that holds a lone surrogate; None if there is none. A stack, not recursion: a deeply nested body
+    cannot raise RecursionError here."""
+    stack = [(body, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str) and not is_valid_text(value):
+            return where or "body"
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str) and not is_valid_text(key):
+                    return where or "body"
+                stack.append((item, f"{where}.{key}" if where else str(key)))
+        elif isinstance(value, list):
+            stack += [(item, f"{where}.{i}" if where else str(i)) for i, item in enumerate(value)]
+    return None
+
+
+class RequestBody(Strict):
+    """A route's whole body: no string in it may hold a lone surrogate (checked once, before the fields)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        where = lone_surrogate_at(data)
+        if where is not None:
+            raise PydanticCustomError("lone_surrogate", "{where}: a string holds a lone surrogate (a \\ud800-\\udfff "
+                                      "escape without its pair), which is not valid Unicode text", {"where": where})
+        return data
 
 
 class TextPart(Strict):
@@ -45,20 +95,31 @@ class TextPart(Strict):
 
 
 class Message(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]  # OpenAI's API allows a list of parts; vllm bench serve sends one
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # a list of parts is OpenAI's too; vllm bench serve sends one
+    name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls (OpenAI's shape), for the chat template
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _content_unless_tool_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs 'content' (only an assistant message with "
+                             "'tool_calls' may have content null)")
+        return self
 
     def as_dict(self) -> dict:
-        """The frontend's message form; ``developer`` is OpenAI's newer name for ``system``."""
-        content = self.content if isinstance(self.content, str) else [p.model_dump() for p in self.content]
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        """The frontend's message form; ``developer`` is OpenAI's newer name for ``system``. A tool-call
+        history goes to the chat template as vLLM passes it (``serve/tools.py``)."""
+        from .tools import template_message
+        return template_message(self)
 
 
 class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class GenerationRequest(Strict):
+class GenerationRequest(RequestBody):
     """What chat and text completions share: the model, sampling, stopping, streaming, tenant."""
 
     model: str | None = None  # None: the served model (as vLLM allows)
@@ -72,8 +133,17 @@ class GenerationRequest(Strict):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=MAX_CHOICES)
-    presence_penalty: float = 0.0  # accepted only at 0: this engine has no penalties
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None  # OpenAI's penalties, ranges checked by SamplingParams ([-2, 2])
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's (> 0; 1 is off)
+    logit_bias: dict[str, float] | None = None  # {token id as a string: bias}, OpenAI's form
+    response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", ...}: serve/structured.py
+    structured_outputs: dict | None = None  # vLLM's: {"json": ...} | {"regex": ...} | {"choice": [...]} | ...
+    guided_json: str | dict | None = None  # vLLM's older names for structured_outputs' kinds
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # "xgrammar" or "auto" (the only one here)
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=256)  # no cached KV/results across salts
@@ -95,6 +165,9 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = None  # OpenAI's newer name; vllm bench serve sends it
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict] | None = None  # accepted with tool_choice "none" only: no tool-call parser (serve/tools.py)
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -108,6 +181,7 @@ class CompletionRequest(GenerationRequest):
     prompt: str | list[int | str | list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    suffix: str | None = None  # refused: no fill-in-the-middle template here
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -127,7 +201,7 @@ class CompletionRequest(GenerationRequest):
         return self.logprobs
 
 
-class TokenizeRequest(Strict):
+class TokenizeRequest(RequestBody):
     """vLLM's ``/tokenize``: a ``prompt`` (text) or chat ``messages``."""
 
     model: str | None = None
@@ -138,6 +212,6 @@ class TokenizeRequest(Strict):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(Strict):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
