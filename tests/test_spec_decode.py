@@ -263,7 +263,8 @@ def test_bench_spec_reports_both_sweeps_and_plots():
     spec_rows = [r for r in rows if r["k"]]
     assert all(1 <= r["acceptance_length"] <= 3 and r["draft_tokens"] >= r["accepted"] for r in spec_rows)
     assert "accept len" in format_report(report) and "0 again" in format_report(report)
-    assert sum(r["repeat"] for r in rows) == 2  # plain decoding once more in each group: the run's own noise
+    groups = {(r["sweep"], r["workload"], r["batch"]) for r in rows}  # two traffics one at a time, one batch
+    assert len(groups) == 3 and sum(r["repeat"] for r in rows) == 3  # plain decoding once more in each group
     assert len(plot_spec(report).axes) == 3
 
 
