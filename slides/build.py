@@ -13,6 +13,9 @@ URIs before Marp sees the deck, so one HTML file is the whole deck: it can be ma
 a USB stick or opened from any folder, and needs no network. The built HTML is then checked to
 load nothing from the network (no CDN script, stylesheet or font).
 
+Numbers a slide states come from the notebook too: ``<!-- notebook-text: NAME -->`` becomes the Markdown
+output of the cell tagged ``slide-text:NAME`` (``notebook_text.py``).
+
 Any problem (a tagged cell without a PNG, a deck pointing at a figure nobody produced, Marp
 failing) is reported with the file it concerns, and the exit status is non-zero.
 """
@@ -33,6 +36,7 @@ import nbformat
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from course_map import expand as expand_course_map  # noqa: E402  (slides/course_map.py, beside this file)
+from notebook_text import expand as expand_notebook_text  # noqa: E402  (slides/notebook_text.py)
 
 REPO = HERE.parent
 TAG_PREFIX = "slide:"
@@ -182,9 +186,14 @@ def run_marp(marp: str, source: Path, target: Path, extra: list[str]) -> None:
         raise BuildError(f"marp failed on {source.name} -> {target.name}:\n{result.stderr.strip()}")
 
 
-def build_deck(deck: Path, out_dir: Path, marp: str | None, chromium: str | None) -> list[Path]:
+def build_deck(deck: Path, out_dir: Path, marp: str | None, chromium: str | None,
+               notebooks_dir: Path = REPO / "notebooks") -> list[Path]:
     """Step 2 for one deck: HTML always, PDF when a Chromium path is given."""
-    markdown = expand_course_map(inline_images(deck), deck.name[:2])
+    try:  # a slide's measured sentences, printed by the notebook's cells (slides/notebook_text.py)
+        markdown = expand_notebook_text(inline_images(deck), deck.name[:2], notebooks_dir)
+    except ValueError as error:
+        raise BuildError(f"{deck}: {error}") from error
+    markdown = expand_course_map(markdown, deck.name[:2])
     if marp is None:
         raise BuildError("marp not found: run `npm ci --prefix slides` first")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -236,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     marp = find_marp()
     for deck in decks:
         try:
-            for path in build_deck(deck, out_dir, marp, chromium):
+            for path in build_deck(deck, out_dir, marp, chromium, args.notebooks):
                 print(f"deck    {path}")
         except BuildError as error:
             errors.append(str(error))

@@ -7,16 +7,17 @@ import pytest
 from labsupport.bench import capstone
 from labsupport.bench.serve_bench import benchmark, payload
 from labsupport.bench.serve_datasets import SampleRequest
-from labsupport.viz.capstone import format_decision, format_full, plot_capstone
+from labsupport.viz.capstone import format_decision, format_full, plot_capstone, reading
 
 
-def cell(tok_s, slo=1.0, tpot=50.0):
-    return {"output_tok_s": tok_s, "slo_attainment": slo, "tpot_p50_ms": tpot, "usd_per_mtok": 0.1 / 3600 / tok_s * 1e6}
+def cell(tok_s, slo=1.0, tpot=50.0, hit=0.5):
+    return {"output_tok_s": tok_s, "slo_attainment": slo, "tpot_p50_ms": tpot, "prefix_cache_hit_rate": hit,
+            "usd_per_mtok": 0.1 / 3600 / tok_s * 1e6}
 
 
-def synthetic():
+def synthetic(again=None):
     """all beats 'all - prefix caching' 2x on chat, 'all - speculative decoding' is 1.5x faster per token on
-    reasoning (speculation costs there), nothing else moves."""
+    reasoning (speculation costs there), nothing else moves; ``again``: an 'all (again)' column's chat tok/s."""
     ts = [{"name": "chat", "headline": "output_tok_s"}, {"name": "reasoning", "headline": "tpot_p50_ms"}]
     cols = [{"name": "all", "traffic": {"chat": cell(100), "reasoning": cell(100, tpot=60)}}]
     for tech in capstone.TECHNIQUES:
@@ -25,7 +26,9 @@ def synthetic():
         cols.append({"name": f"all - {tech}", "traffic": {"chat": chat, "reasoning": reasoning}})
     cols += [{"name": "transformers serve", "traffic": {"chat": cell(20), "reasoning": cell(20, tpot=120)}},
              {"name": "vllm serve", "skipped": "not installed"}]
-    return {"traffics": ts, "columns": cols, "pays_above": capstone.PAYS}
+    if again is not None:
+        cols.append({"name": capstone.AGAIN, "traffic": {"chat": cell(again), "reasoning": cell(100, tpot=60)}})
+    return {"traffics": ts, "columns": cols, "floor": capstone.FLOOR}
 
 
 def test_decision_reads_each_technique_against_all_but_it():
@@ -36,11 +39,36 @@ def test_decision_reads_each_technique_against_all_but_it():
     # a time per token is better when smaller: 60 ms with speculation, 40 ms without -> it costs
     assert reasoning["techniques"]["speculative decoding"]["verdict"] == "costs"
     assert reasoning["techniques"]["speculative decoding"]["x"] == pytest.approx(40 / 60)
-    assert reasoning["best_ours"] == "all - speculative decoding"
-    assert reasoning["best_vs_transformers"] == pytest.approx(120 / 40)
-    assert chat["best_vs_transformers"] == pytest.approx(5.0) and math.isnan(chat["best_vs_vllm"])
-    text = format_decision(synthetic() | {"decision": [chat, reasoning]})
-    assert "pays 2.00x" in text and "costs 0.67x" in text
+    # ours against the others is `all` against each, one run each: never the best of several of ours
+    assert reasoning["ours_vs_transformers"] == {"x": pytest.approx(120 / 60), "verdict": "ahead"}
+    assert chat["ours_vs_transformers"]["x"] == pytest.approx(5.0) and math.isnan(chat["ours_vs_vllm"]["x"])
+    r = capstone.read(synthetic())
+    text = format_decision(r)
+    assert "pays 2.00x" in text and "costs 0.67x" in text and "1.15x" in text
+
+
+def test_a_difference_is_called_only_beyond_the_runs_own_repeat():
+    quiet = capstone.noise(synthetic(again=95))  # all measured again: 5 % apart, under the floor
+    assert quiet["largest"] == pytest.approx(100 / 95) and quiet["threshold"] == pytest.approx(1 + capstone.FLOOR)
+    loud = capstone.read(synthetic(again=60))  # the same work read 1.67x apart: 1.5x is no longer a difference
+    assert loud["noise"]["threshold"] == pytest.approx(100 / 60)
+    chat, reasoning = loud["decision"]
+    assert reasoning["techniques"]["speculative decoding"]["verdict"] == "~"
+    assert chat["techniques"]["prefix caching"]["verdict"] == "pays"  # 2x is still beyond 1.67x
+    assert "1.67x on chat, all measured twice" in format_decision(loud)
+
+
+def test_an_idle_prefix_cache_counts_as_the_same_work():
+    r = synthetic()
+    for c in r["columns"]:
+        if "traffic" in c:
+            c["traffic"]["reasoning"]["prefix_cache_hit_rate"] = 0.0
+    next(c for c in r["columns"] if c["name"] == "all - prefix caching")["traffic"]["reasoning"]["tpot_p50_ms"] = 75
+    n = capstone.noise(r)
+    assert [(p["traffic"], p["against"]) for p in n["pairs"]] == [("reasoning", "all - prefix caching")]
+    assert n["threshold"] == pytest.approx(75 / 60)
+    assert capstone.decision(r)[1]["techniques"]["prefix caching"]["verdict"] == "idle"
+    assert "no difference beyond noise on" in reading(capstone.read(r))
 
 
 def test_payload_sends_vllm_extensions_only_when_asked():

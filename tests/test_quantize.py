@@ -229,6 +229,19 @@ def test_bench_run_reports_every_method():
     assert re.search(r"int4 .* 0\.1\d", format_table(report))
 
 
+def test_saved_run_is_labelled_and_read_from_its_own_figures():
+    from labsupport.bench.quant import label, reading
+    from labsupport.data import text
+
+    saved = json.loads(text("quant_cpu.json"))
+    assert saved["date"] == "2026-12-01" and "AVX2" in label(saved)
+    lines = reading(saved)
+    int4, fp32 = saved["methods"]["int4"], saved["methods"]["fp32"]
+    assert f"int4 {int4['correct']} ({int4['correct'] - fp32['correct']:+d})" in lines
+    assert f"int4 {int4['perplexity']:.2f} ({100 * (int4['perplexity'] / fp32['perplexity'] - 1):+.1f} %)" in lines
+    assert f"int4 {int4['speedup']:.2f}x" in lines
+
+
 def test_engine_option_quantizes_its_own_model_only(llm):
     from labsupport import LLM, SamplingParams
 

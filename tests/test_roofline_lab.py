@@ -113,6 +113,21 @@ def test_report_roofs_ridge_and_utilisation():
     assert "decode 64" in rl.format_report(rep)
 
 
+def test_reading_says_what_the_report_shows_and_when_no_batch_turns():
+    peak_flops, peak_bw = 60e9, 15e9
+    rep = rl.roofline_report(_synthetic_points(peak_flops, peak_bw), peak_flops, peak_bw, SMOL)
+    text = rl.reading(rep, SMOL, verify=[(1, 4), (64, 4)])
+    assert "60.0 GFLOP/s and 15.0 GB/s, so the ridge is 4.0 FLOP/byte" in text
+    long_ctx = {ctx: v for t in rep["compute_bound_table"] if t["machine"] == "H200 (published)"
+                for ctx, v in t["by_context"].items()}
+    assert long_ctx[8192]["batch"] is None and "never with 1024 and 8192 cached tokens" in text
+    one, many = (rl.step_costs(SMOL, [5] * u, [205] * u, 4) for u in (1, 64))
+    assert f"{one['flops'] / one['bytes']:.1f} FLOP/byte, below" in text
+    assert f"{many['flops'] / many['bytes']:.1f} FLOP/byte, above" in text
+    for d in rep["decode"]:
+        assert f"{d['intensity']:.1f}" in text and f"{d['mbu']:.0%}" in text
+
+
 @pytest.fixture(scope="module")
 def roofs(tmp_path_factory):
     """This machine's peak matmul rate and read bandwidth from ``roofline.measure``. Its model folder

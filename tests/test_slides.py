@@ -171,6 +171,47 @@ def test_exercises_and_only_are_respected(project):
     assert [p.name for p in written] == ["07_demo.png"]
 
 
+def load_notebook_text():
+    spec = importlib.util.spec_from_file_location("notebook_text", REPO / "slides" / "notebook_text.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_text_notebook(path: Path, tag: str, markdown: str | None) -> None:
+    cell = nbformat.v4.new_code_cell("display(Markdown(reading))", metadata={"tags": [tag]})
+    data = {"text/plain": "<IPython.core.display.Markdown object>"}
+    if markdown is not None:
+        data["text/markdown"] = markdown
+    cell.outputs = [nbformat.v4.new_output("display_data", data=data)]
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [cell]
+    nbformat.write(notebook, path)
+
+
+def test_notebook_text_puts_the_cells_printed_sentence_on_the_slide(tmp_path):
+    text = load_notebook_text()
+    write_text_notebook(tmp_path / "09_x.ipynb", "slide-text:speed", "* **k = 4**: 1.51x plain decoding")
+    deck = "## Speed\n\n<!-- notebook-text: speed -->\n\n---\n\n<!-- notebook-text: 09 speed -->\n"
+    out = text.expand(deck, "09", tmp_path)
+    assert out.count("* **k = 4**: 1.51x plain decoding") == 2 and "notebook-text" not in out
+    with pytest.raises(ValueError, match="no notebooks/10_"):
+        text.expand("<!-- notebook-text: speed -->", "10", tmp_path)
+
+
+def test_notebook_text_without_its_cell_or_output_is_an_error(project):
+    root, _ = project
+    need_marp()
+    deck = root / "slides" / "07_fixture.md"
+    deck.write_text(DECK + "\n---\n\n<!-- notebook-text: never_printed -->\n")
+    result = build(root)
+    assert result.returncode != 0 and "slide-text:never_printed" in result.stderr and "07_fixture.md" in result.stderr
+    text = load_notebook_text()
+    write_text_notebook(root / "notebooks" / "08_y.ipynb", "slide-text:empty", None)
+    with pytest.raises(ValueError, match="no text/markdown output"):
+        text.expand("<!-- notebook-text: empty -->", "08", root / "notebooks")
+
+
 def course_notebooks() -> list[Path]:
     return sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
@@ -201,6 +242,22 @@ def test_deck_figures_match_notebook_tags():
             if f"slide:{name}" not in tags:
                 problems.append(f"{deck.name} shows figures/{chapter}_{name}.png but "
                                 f"{notebooks[chapter].name} has no cell tagged slide:{name}")
+    assert not problems, "\n".join(problems)
+
+
+def test_deck_texts_match_notebook_tags():
+    """Every ``notebook-text`` line of a deck has its ``slide-text:`` cell, with Markdown output, in the notebook."""
+    notebooks = {nb.name[:2]: nb for nb in course_notebooks()}
+    if not notebooks:
+        pytest.skip("no notebooks/NN_*.ipynb yet")
+    text, problems = load_notebook_text(), []
+    for deck in sorted((REPO / "slides").glob("[0-9][0-9]_*.md")):
+        for chapter, name in text.DIRECTIVE.findall(deck.read_text()):
+            chapter = chapter or deck.name[:2]
+            try:
+                text.cell_markdown(notebooks[chapter], name)
+            except (KeyError, ValueError) as error:
+                problems.append(f"{deck.name}: {error!r}")
     assert not problems, "\n".join(problems)
 
 

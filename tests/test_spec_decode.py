@@ -262,5 +262,27 @@ def test_bench_spec_reports_both_sweeps_and_plots():
     assert all(r["same_tokens"] for r in rows)  # greedy: guessing never changes the tokens
     spec_rows = [r for r in rows if r["k"]]
     assert all(1 <= r["acceptance_length"] <= 3 and r["draft_tokens"] >= r["accepted"] for r in spec_rows)
-    assert "accept len" in format_report(report)
+    assert "accept len" in format_report(report) and "0 again" in format_report(report)
+    groups = {(r["sweep"], r["workload"], r["batch"]) for r in rows}  # two traffics one at a time, one batch
+    assert len(groups) == 3 and sum(r["repeat"] for r in rows) == 3  # plain decoding once more in each group
     assert len(plot_spec(report).axes) == 3
+
+
+def _row(sweep, k, tok_s, repeat=False, **extra):
+    return {"sweep": sweep, "workload": "repetitive", "k": k, "temperature": 0.0, "batch": 1 if sweep == "k" else 4,
+            "repeat": repeat, "tok_s": tok_s, "speedup": tok_s / 10, "seconds": 10 / tok_s, "steps": 10,
+            "same_tokens": True, **extra}
+
+
+def test_reading_calls_a_speed_up_only_beyond_the_repeat_of_plain_decoding():
+    from labsupport.bench.spec_bench import noise, reading
+
+    spec = dict(drafts=5, draft_tokens=20, accepted=15, acceptance_length=4.0, acceptance_rate=0.75)
+    quiet = {"max_tokens": 8, "rows": [_row("k", 0, 10), _row("k", 4, 13, **spec), _row("k", 0, 10.5, repeat=True)]}
+    assert noise(quiet)["threshold"] == pytest.approx(1.15)
+    assert "1.30x plain decoding's tokens/s: faster" in reading(quiet)
+    loud = {**quiet, "rows": quiet["rows"][:2] + [_row("k", 0, 14, repeat=True)]}  # plain read 1.4x apart
+    assert noise(loud)["largest"] == pytest.approx(1.4)
+    text = reading(loud)
+    assert "1.30x plain decoding's tokens/s: no difference beyond noise" in text and "up to 1.40x" in text
+    assert "guesses in 5 of 10 engine steps" in text and "75 % of the guessed tokens" in text

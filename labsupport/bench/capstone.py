@@ -14,8 +14,14 @@ output tokens/s, hence $ per million tokens), long-document RAG (long unique pro
 SLO attainment: the long prompts' TTFT and the TPOT of everyone decoding beside them), a shared system
 prompt (capacity), bursty load (gamma arrivals: SLO attainment) and long reasoning outputs (few users,
 long worked answers: the time to the whole answer, P50). The decision table says, per traffic,
-which techniques pay (the headline better by more than ``PAYS``), which cost, and which do nothing; the full
-table keeps throughput, TTFT, TPOT and tails side by side, because they pull against each other.
+which techniques pay, which cost, and which do nothing measurable; the full table keeps throughput, TTFT,
+TPOT and tails side by side, because they pull against each other.
+
+Every cell is one run, so a difference is called only beyond the run's own noise (``noise``): ``all`` is
+measured twice, first and last (``all (again)``), and where the prefix cache had nothing to reuse,
+``all - prefix caching`` does the same work as ``all`` too. The largest ratio between two measurements of the
+same work, on any traffic, is the threshold (never under ``FLOOR``). Ours against transformers and vLLM is
+``all`` against each, one run each, read with the same threshold.
 
     python -m labsupport bench capstone --json labsupport/data/capstone_cpu.json --plot benchmarks/capstone.png
 
@@ -31,6 +37,8 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
+from .compare import DRIFT
+
 TECHNIQUES = {  # name -> the serve flags that turn it OFF (from ``all``)
     "continuous batching": ("scheduling_policy", "static"),
     "prefix caching": ("enable_prefix_caching", False),
@@ -40,9 +48,8 @@ TECHNIQUES = {  # name -> the serve flags that turn it OFF (from ``all``)
 }
 ALL = dict(scheduling_policy="continuous", enable_prefix_caching=True, enable_chunked_prefill=True,
            speculative=True, quantization="int8")
-# A technique "pays" when the traffic's headline is better by more than 25 %: each cell is one run, and two runs
-# of the same server on the same traffic differed by up to 23 % on the 2-core machine (2026-12-01).
-PAYS = 0.25
+AGAIN = "all (again)"  # ``all`` once more, after every other server: how far two runs of the same work differ
+FLOOR = DRIFT  # never call a difference under it, however quiet the run's own repeat was
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,7 @@ REASONING = [  # questions whose answers are long worked solutions (a reasoning 
 
 
 def traffics(scale: float = 1.0) -> list[Traffic]:
-    """The five kinds of traffic, sized for ~15 minutes of the whole run on 2 CPU cores, each within this
+    """The five kinds of traffic, sized for about 2 minutes a server on 2 CPU cores, each within this
     machine's capacity so that the SLOs mean something (``scale`` multiplies the request counts: 0.25 for a
     quick look, 4 or more on a GPU)."""
     n = lambda k: max(2, round(k * scale))  # noqa: E731
@@ -100,6 +107,7 @@ def columns() -> list[dict]:
         cols.append({"name": f"all - {tech}", "kind": "ours", "config": {**ALL, key: off}, "without": tech})
     cols.append({"name": "transformers serve", "kind": "transformers", "config": {"continuous_batching": True}})
     cols.append({"name": "vllm serve", "kind": "vllm", "config": {}})
+    cols.append({"name": AGAIN, "kind": "ours", "config": dict(ALL), "repeat_of": "all"})
     return cols
 
 
@@ -195,30 +203,55 @@ def _better(metric: str, on: float, off: float) -> float:
     return off / on if metric.endswith("_ms") else on / off
 
 
-def decision(result: dict) -> list[dict]:
-    """Per traffic: what each technique does to its headline (``all`` vs ``all - X``), and ours vs the others."""
+def _cells(result: dict):
     cols = {c["name"]: c for c in result["columns"] if "traffic" in c}
+    return lambda col, traffic: cols.get(col, {}).get("traffic", {}).get(traffic, {})
+
+
+def noise(result: dict) -> dict:
+    """How far two measurements of the same work differ in this run: ``all`` against ``all (again)`` on every
+    traffic, and ``all`` against ``all - prefix caching`` where the prefix cache had nothing to reuse (hit rate 0:
+    the same steps). ``largest``: the biggest ratio either way (1.0 when no pair was measured); ``threshold``: the
+    ratio a difference must exceed to be called, ``max(largest, 1 + floor)``."""
+    cell, pairs = _cells(result), []
+    for t in result["traffics"]:
+        name, metric = t["name"], t["headline"]
+        candidates = [(AGAIN, "all measured again")]
+        if cell("all", name).get("prefix_cache_hit_rate") == 0:
+            candidates.append(("all - prefix caching", "prefix cache idle: the same work"))
+        for other, why in candidates:
+            x = _better(metric, cell("all", name).get(metric), cell(other, name).get(metric))
+            if x == x:
+                pairs.append({"traffic": name, "against": other, "why": why, "x": x})
+    largest = max((max(p["x"], 1 / p["x"]) for p in pairs), default=1.0)
+    floor = result.get("floor", FLOOR)
+    return {"pairs": pairs, "largest": largest, "floor": floor, "threshold": max(largest, 1 + floor)}
+
+
+def _verdict(x: float, threshold: float, better: str, worse: str) -> str:
+    return "?" if x != x else better if x > threshold else worse if x < 1 / threshold else "~"
+
+
+def decision(result: dict) -> list[dict]:
+    """Per traffic: what each technique does to its headline (``all`` vs ``all - X``), and ``all`` against
+    transformers and vLLM; a verdict only beyond the run's noise (``noise``)."""
+    cell, threshold = _cells(result), noise(result)["threshold"]
     rows = []
     for t in result["traffics"]:
         name, metric = t["name"], t["headline"]
-        cell = lambda col: cols.get(col, {}).get("traffic", {}).get(name, {})  # noqa: E731
-        row = {"traffic": name, "headline": metric, "all": cell("all").get(metric), "techniques": {}}
-        pays = result.get("pays_above", PAYS)
+        row = {"traffic": name, "headline": metric, "all": cell("all", name).get(metric), "techniques": {}}
         for tech in TECHNIQUES:
-            x = _better(metric, cell("all").get(metric), cell(f"all - {tech}").get(metric))
-            verdict = "?" if x != x else "pays" if x > 1 + pays else "costs" if x < 1 / (1 + pays) else "~"
-            if tech == "prefix caching" and cell("all").get("prefix_cache_hit_rate") == 0:
+            x = _better(metric, cell("all", name).get(metric), cell(f"all - {tech}", name).get(metric))
+            verdict = _verdict(x, threshold, "pays", "costs")
+            if tech == "prefix caching" and cell("all", name).get("prefix_cache_hit_rate") == 0:
                 verdict = "idle"  # nothing shared: whatever moved is noise, not the cache
             row["techniques"][tech] = {"x": x, "verdict": verdict}
-        gain = lambda c: _better(metric, cell(c).get(metric), cell("all").get(metric))  # noqa: E731
-        best = max((c for c in cols if c.startswith("all")), key=lambda c: -math.inf if gain(c) != gain(c)
-                   else gain(c), default=None)
-        row["best_ours"] = best
         for other in ("transformers serve", "vllm serve"):
-            row[f"best_vs_{other.split()[0]}"] = _better(metric, cell(best).get(metric), cell(other).get(metric)) \
-                if best else math.nan
-            row[f"usd_per_mtok_{other.split()[0]}"] = cell(other).get("usd_per_mtok")
-        row["usd_per_mtok_best"] = cell(best).get("usd_per_mtok") if best else None
+            key = other.split()[0]
+            x = _better(metric, cell("all", name).get(metric), cell(other, name).get(metric))
+            row[f"ours_vs_{key}"] = {"x": x, "verdict": _verdict(x, threshold, "ahead", "behind")}
+            row[f"usd_per_mtok_{key}"] = cell(other, name).get("usd_per_mtok")
+        row["usd_per_mtok_all"] = cell("all", name).get("usd_per_mtok")
         rows.append(row)
     return rows
 
@@ -255,28 +288,32 @@ def run(sizes: Sizes = Sizes(), scale: float = 1.0, which: tuple | None = None, 
     bar.close()
     result = {"date": time.strftime("%Y-%m-%d"), "machine": {**machine(), "other_runnable_threads_at_start": busy},
               "model": os.path.basename(folder), "usd_per_hour": usd_per_hour, "sizes": asdict(sizes), "scale": scale,
-              "pays_above": PAYS, "traffics": [asdict(t) | {"requests": len(r), "output_tokens": sum(q.output_len
+              "floor": FLOOR, "traffics": [asdict(t) | {"requests": len(r), "output_tokens": sum(q.output_len
                                                                                                      for q in r),
                                                             "prompt_tokens_mean": sum(q.prompt_len for q in r) / len(r)}
                                                for t, r in loads],
               "columns": measured, "seconds": time.perf_counter() - t0}
-    result["decision"] = decision(result)
-    return result
+    return read(result)
+
+
+def read(result: dict) -> dict:
+    """A run with its noise and decision (re)computed from the measurements, whatever rule it was saved with."""
+    return {**result, "noise": noise(result), "decision": decision(result)}
 
 
 def load(path=None) -> dict:
-    """The saved run (package data) or a JSON file written by ``--json``."""
+    """The saved run (package data) or a JSON file written by ``--json``, read with today's rule (``read``)."""
     if path is None:
         from ..data import text
-        return json.loads(text("capstone_cpu.json"))
+        return read(json.loads(text("capstone_cpu.json")))
     with open(path) as f:
-        return json.load(f)
+        return read(json.load(f))
 
 
 def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--scale", type=float, default=1.0, help="multiplies every traffic's request count")
     p.add_argument("--quick", action="store_true", help="scale 0.15, columns all, all - speculative decoding, "
-                                                        "transformers serve (tests)")
+                                                        "transformers serve, all (again) (tests)")
     p.add_argument("--columns", default=None, help="comma-separated column names (default: every one)")
     p.add_argument("--usd-per-hour", type=float, default=0.10, help="the machine's price (default 0.10: a 2-vCPU VM)")
     p.add_argument("--json", metavar="FILE", default=None)
@@ -288,7 +325,7 @@ def main(args) -> int:
     which = tuple(args.columns.split(",")) if args.columns else None
     scale = args.scale
     if args.quick:
-        which, scale = which or ("all", "all - speculative decoding", "transformers serve"), 0.15
+        which, scale = which or ("all", "all - speculative decoding", "transformers serve", AGAIN), 0.15
     known = {c["name"] for c in columns()}
     if which and set(which) - known:
         raise ValueError(f"unknown columns {sorted(set(which) - known)}: choose from {', '.join(sorted(known))}")

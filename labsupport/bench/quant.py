@@ -20,6 +20,7 @@ import json
 import math
 import re
 import sys
+import time
 
 import torch
 from tqdm.auto import tqdm
@@ -171,9 +172,11 @@ def _measure(methods, tokens, questions, ppl_tokens, batch, model, progress) -> 
     for row in rows.values():
         row["memory_ratio"] = row["bytes_read_per_step"] / base["bytes_read_per_step"]
         row["speedup"] = row["decode_tok_s"] / base["decode_tok_s"]
-    return {"methods": rows, "settings": {"tokens": tokens, "batch": batch, "questions": len(base["answers"]),
-                                          "ppl_tokens": ppl_tokens, "threads": torch.get_num_threads(),
-                                          "other_runnable_threads": busy}}
+    from .compare import machine
+    return {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "methods": rows,
+            "settings": {"tokens": tokens, "batch": batch, "questions": len(base["answers"]),
+                         "ppl_tokens": ppl_tokens, "threads": torch.get_num_threads(),
+                         "other_runnable_threads": busy}}
 
 
 def format_table(report: dict) -> str:
@@ -193,6 +196,39 @@ def format_table(report: dict) -> str:
                  f"tasks: {s['questions']} questions, greedy; perplexity: first {s['ppl_tokens']} tokens "
                  "of northwind_handbook.txt")
     return "\n".join(lines)
+
+
+def reading(report: dict) -> str:
+    """The table in sentences, every figure from ``report``; ratios are to the first method (Markdown bullets)."""
+    from .compare import DRIFT, beyond_drift
+    rows = report["methods"]
+    first, base = next(iter(rows.items()))
+    others = {k: r for k, r in rows.items() if k != first}
+    mb = lambda r: f"{r['bytes_read_per_step'] / 2**20:.0f} MB"  # noqa: E731
+    lines = [f"* **Bytes read per decode step**: {first} {mb(base)}; "
+             + ", ".join(f"{k} {mb(r)} ({r['memory_ratio']:.2f}x)" for k, r in others.items()) + "."]
+    word = {1: "faster", -1: "slower", 0: "within noise"}
+    speed = ", ".join(f"{k} {r['speedup']:.2f}x ({word[beyond_drift(r['speedup'])]})" for k, r in others.items())
+    lines.append(f"* **Decode tokens/s** against {first}'s {base['decode_tok_s']:.1f} "
+                 f"({report['settings']['batch']} sequence, one run each; ±{100 * DRIFT:.0f} % is noise): {speed}.")
+    lagging = [k for k, r in others.items() if r["speedup"] * (1 + DRIFT) < 1 / r["memory_ratio"]]
+    if lagging:
+        lines.append("* Speed did not follow the bytes: " + ", ".join(
+            f"{k} read {1 / others[k]['memory_ratio']:.1f}x fewer bytes and ran {others[k]['speedup']:.2f}x"
+            for k in lagging) + " — a step's time here is not its weight bytes alone.")
+    lines.append(f"* **Tasks** ({base['total']} questions, greedy): {first} {base['correct']}; "
+                 + ", ".join(f"{k} {r['correct']} ({r['correct'] - base['correct']:+d})" for k, r in others.items())
+                 + f". **Perplexity**: {first} {base['perplexity']:.2f}; "
+                 + ", ".join(f"{k} {r['perplexity']:.2f} ({100 * (r['perplexity'] / base['perplexity'] - 1):+.1f} %)"
+                             for k, r in others.items()) + ".")
+    return "\n".join(lines)
+
+
+def label(report: dict) -> str:
+    """Where and when a report was measured (older saved reports carry a label added afterwards)."""
+    from .compare import describe_machine
+    m = report.get("machine")
+    return f"{describe_machine(m)}, {report['date']}" if m else "an unrecorded machine and date"
 
 
 def plot_quant(report: dict):

@@ -232,6 +232,55 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _list(values) -> str:
+    values = list(values)
+    return ", ".join(values[:-1]) + (" and " if len(values) > 1 else "") + values[-1] if values else ""
+
+
+def reading(report: dict, model_config: ModelConfig | None = None, verify=(), verify_context: int = 200) -> str:
+    """The report in sentences, every figure from it (Markdown bullets). ``verify``: (users, k) pairs whose
+    speculative verify step (``k + 1`` tokens per user, ``verify_context`` cached tokens each) is placed against
+    the ridge too, by its counted costs."""
+    ridge, w = report["ridge"], report.get("what_if")
+    lines = [f"* **Roofs measured here**: {report['peak_flops'] / 1e9:.1f} GFLOP/s and {report['peak_bw'] / 1e9:.1f} "
+             f"GB/s, so the ridge is {ridge:.1f} FLOP/byte"
+             + (f" ({w['name']}: {w['peak_flops'] / w['peak_bw']:.0f})." if w else ".")]
+    side = lambda r: "above" if r["bound"] == "compute" else "below"  # noqa: E731
+    for r in (r for r in report["points"] if r["kind"] == "prefill"):
+        lines.append(f"* **{r['label']}**: {r['intensity']:.1f} FLOP/byte, {side(r)} the ridge: {r['bound']}-bound; "
+                     f"MFU {r['mfu']:.0%}.")
+    decode = report["decode"]
+    if decode:
+        bounds = {r["bound"] for r in decode}
+        where = f"all {side(decode[0])} the ridge: {decode[0]['bound']}-bound" if len(bounds) == 1 else "; ".join(
+            f"B = {_list(str(r['batch']) for r in decode if r['bound'] == b)} {b}-bound" for b in ("memory", "compute"))
+        lines.append(f"* **Decode** at B = {_list(str(r['batch']) for r in decode)}: "
+                     f"{_list(format(r['intensity'], '.1f') for r in decode)} FLOP/byte, {where}. MBU "
+                     f"{_list(format(r['mbu'], '.0%') for r in decode)}: each step took "
+                     f"{_list(format(r['seconds'] / (r['bytes'] / report['peak_bw']), '.1f') + 'x' for r in decode)} "
+                     "the time its bytes need at the measured bandwidth.")
+    for t in report.get("compute_bound_table", []):
+        cells = t["by_context"]
+        some = [f"B = {v['batch']} with {ctx} cached token{'s' if int(ctx) > 1 else ''} per sequence"
+                for ctx, v in cells.items() if v["batch"]]
+        never = [(ctx, v) for ctx, v in cells.items() if not v["batch"]]
+        text = f"* **{t['model']} on {t['machine']}** (ridge {t['ridge']:.1f}), by the counted costs: decode turns " \
+               f"compute-bound at {_list(some) or 'no batch'}"
+        if never:
+            text += (f"; never with {_list(str(c) for c, _ in never)} cached tokens: each sequence's KV reads cap the "
+                     f"intensity at {_list(format(v['limit_intensity'], '.0f') for _, v in never)} FLOP/byte")
+        lines.append(text + ".")
+    if model_config is not None and decode:
+        dtype_bytes = decode[0]["dtype_bytes"]
+        for users, k in verify:
+            c = step_costs(model_config, [k + 1] * users, [verify_context + k + 1] * users, dtype_bytes)
+            x = c["flops"] / c["bytes"]
+            lines.append(f"* **A verify step of {users} user{'s' if users > 1 else ''} x {k + 1} tokens** (k = {k}, "
+                         f"{verify_context} cached tokens each): {x:.1f} FLOP/byte, {'above' if x >= ridge else 'below'} "
+                         "this machine's ridge, by the counted costs.")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     import torch
 
@@ -268,8 +317,12 @@ def main(argv=None) -> int:
     print(f"{llm.model_name}, {torch.get_num_threads()} CPU threads; roofs {source}")
     print(format_report(report))
     if args.json:
+        import time
+
+        from .compare import machine
         with open(args.json, "w") as f:
-            json.dump({**report, "roofline": roof}, f, indent=2, default=str)
+            json.dump({"date": time.strftime("%Y-%m-%d"), "machine": machine(), **report, "roofline": roof}, f,
+                      indent=2, default=str)
         print(f"wrote {args.json}")
     return 0
 

@@ -19,13 +19,32 @@ def _fmt(v, spec=".1f"):
 
 
 def _headline(metric: str, v) -> str:
-    return _fmt(100 * v, ".0f") + " %" if metric == "slo_attainment" and v is not None else _fmt(v)
+    if v is None:
+        return "-"
+    return _fmt(100 * v, ".0f") + " %" if metric == "slo_attainment" else _fmt(v, ".0f") + " ms" \
+        if metric.endswith("_ms") else _fmt(v)
 
 
 def caption(r: dict) -> str:
-    m = r["machine"]
-    return (f"{r['model']} on {m.get('cpu', 'this machine')} ({m.get('cores', '?')} cores), {r['date']}; "
+    from ..bench.compare import describe_machine
+    return (f"{r['model']} on {describe_machine(r['machine'])}, {r['date']}; "
             f"${r['usd_per_hour']:.2f}/hour for the machine; each server alone, the same requests over HTTP")
+
+
+def noise_line(r: dict) -> str:
+    """How the verdicts were drawn: the threshold and the pairs of identical work it comes from."""
+    n = r["noise"]
+    if not n["pairs"]:
+        return (f"called only beyond {n['threshold']:.2f}x, the {100 * n['floor']:.0f} % floor: "
+                "this run measured no two runs of the same work; one run per cell")
+    worst = max(n["pairs"], key=lambda p: max(p["x"], 1 / p["x"]))
+    where = "all measured twice" if worst["against"] == "all (again)" else \
+        "the prefix cache idle, so all and all - prefix caching did the same work"
+    again = any(p["against"] == "all (again)" for p in n["pairs"])
+    return (f"called only beyond {n['threshold']:.2f}x, the largest ratio between two runs of the "
+            f"same work in this run ({worst['x']:.2f}x on {worst['traffic']}, {where}"
+            + ("" if again else "; this run has no all (again) column") +
+            f"); never under {1 + n['floor']:.2f}x; one run per cell")
 
 
 def format_full(r: dict) -> str:
@@ -58,31 +77,31 @@ def format_full(r: dict) -> str:
 
 
 def format_decision(r: dict) -> str:
-    """Traffic x technique: 'pays 1.8x' / 'costs 0.7x' / '~' on the traffic's headline (all vs all - X)."""
+    """Traffic x technique: 'pays 1.8x' / 'costs 0.7x' / '~' on the traffic's headline (all vs all - X), then
+    all against transformers and vLLM ('ahead' / 'behind' / '~'), each one run."""
     rows = r["decision"]
     techs = list(rows[0]["techniques"]) if rows else []
-    out = [f"What each technique does to each traffic's headline (all vs all - technique; pays/costs: more than "
-           f"{100 * r['pays_above']:.0f} % better/worse, one run per cell; idle: no prefix shared, nothing to reuse)",
+    cell = lambda v: f"{v['verdict']} {_fmt(v['x'], '.2f')}x"  # noqa: E731
+    out = [f"What each technique does to each traffic's headline (all vs all - technique; idle: no prefix shared, "
+           f"nothing to reuse). Pays/costs, ahead/behind: {noise_line(r)}",
            f"{'traffic':22} {'headline':13} " + " ".join(f"{t[:18]:>18}" for t in techs)
-           + f" {'best of ours':>32} {'vs transformers':>16} {'vs vLLM':>8}"]
+           + f" {'all vs transformers':>20} {'all vs vLLM':>14}"]
     for row in rows:
-        cells = [f"{v['verdict']} {_fmt(v['x'], '.2f')}x" for v in row["techniques"].values()]
         out.append(f"{row['traffic']:22} {HEADLINE_NAMES.get(row['headline'], row['headline']):13} "
-                   + " ".join(f"{c:>18}" for c in cells)
-                   + f" {row['best_ours'] or '-':>32} {_fmt(row['best_vs_transformers'], '.2f') + 'x':>16}"
-                     f" {_fmt(row['best_vs_vllm'], '.2f') + 'x':>8}")
+                   + " ".join(f"{cell(v):>18}" for v in row["techniques"].values())
+                   + f" {cell(row['ours_vs_transformers']):>20} {cell(row['ours_vs_vllm']):>14}")
     return "\n".join(out)
 
 
 def plot_capstone(r: dict):
-    """Left: the decision as a heat map (green pays, red costs, log scale). Right: our best configuration
+    """Left: the decision as a heat map (green pays, red costs, log scale). Right: `all`, one run,
     per traffic against transformers serve and vLLM on the same headline (above 1: ours better)."""
     import matplotlib.pyplot as plt
     from matplotlib.colors import TwoSlopeNorm
     rows = r["decision"]
     techs = list(rows[0]["techniques"])
-    x = np.array([[row["techniques"][t]["x"] if row["techniques"][t]["verdict"] not in ("idle", "?") else 1.0
-                   for t in techs] for row in rows], dtype=float)  # idle cells stay neutral: their change is noise
+    x = np.array([[row["techniques"][t]["x"] if row["techniques"][t]["verdict"] in ("pays", "costs") else 1.0
+                   for t in techs] for row in rows], dtype=float)  # idle and within-noise cells stay neutral
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [1.5, 1]})
     lx = np.log2(np.where(np.isfinite(x) & (x > 0), x, 1.0))
     lim = max(0.5, float(np.nanmax(np.abs(lx))))
@@ -94,25 +113,99 @@ def plot_capstone(r: dict):
         for j, t in enumerate(techs):
             v = row["techniques"][t]
             a.text(j, i, f"{v['verdict']}\n{_fmt(v['x'], '.2f')}x", ha="center", va="center", fontsize=8)
-    a.set_title("turning each technique on (all vs all - it)", fontsize=10)
     names = [row["traffic"] for row in rows]
     pos = np.arange(len(rows))
-    for k, (key, label, color) in enumerate((("best_vs_transformers", "vs transformers serve", "tab:orange"),
-                                             ("best_vs_vllm", "vs vllm serve", "tab:purple"))):
-        vals = [row[key] if row[key] == row[key] and row[key] is not None else 0 for row in rows]
+    threshold = r["noise"]["threshold"]
+    b.axvspan(1 / threshold, threshold, color="0.9", label=f"within noise (1/{threshold:.2f}x to {threshold:.2f}x)")
+    for k, (key, label, color) in enumerate((("ours_vs_transformers", "vs transformers serve", "tab:orange"),
+                                             ("ours_vs_vllm", "vs vllm serve", "tab:purple"))):
+        vals = [row[key]["x"] if row[key]["x"] == row[key]["x"] else 0 for row in rows]
         b.barh(pos + (k - 0.5) * 0.38, vals, 0.38, label=label, color=color)
-        for p, v in zip(pos, vals):
-            b.text(v, p + (k - 0.5) * 0.38, f" {v:.2f}x" if v else " not measured", va="center", fontsize=7)
+        for p, v, row in zip(pos, vals, rows):
+            b.text(v, p + (k - 0.5) * 0.38, f" {row[key]['verdict']} {v:.2f}x" if v else " not measured",
+                   va="center", fontsize=7)
     b.axvline(1, color="k", lw=0.8)
     b.set_xscale("log")
     from matplotlib.ticker import FuncFormatter, NullFormatter
+    finite = [v for row in rows for key in ("ours_vs_transformers", "ours_vs_vllm")
+              for v in [row[key]["x"]] if v == v and v > 0] or [1.0]
+    lo, hi = min(min(finite), 1 / threshold) / 1.5, max(max(finite), threshold) * 1.5
+    b.set_xlim(lo, hi)
+    b.set_xticks([t for t in (0.125, 0.25, 0.5, 1, 2, 4, 8, 16) if lo <= t <= hi])
     b.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
     b.xaxis.set_minor_formatter(NullFormatter())
     b.set_yticks(pos, names, fontsize=8)
     b.invert_yaxis()
-    b.set_xlabel("our best configuration's headline / theirs (>1: ours better)")
-    b.legend(fontsize=8, loc="lower right")
-    b.set_title("the course engine against the servers people use", fontsize=10)
+    b.set_xlabel("our 'all' headline / theirs (>1: ours better; one run each)")
+    b.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
+    b.set_title("the course engine (all) against the servers people use", fontsize=10)
+    a.set_title(f"turning each technique on (all vs all - it); called beyond {threshold:.2f}x", fontsize=10)
     fig.suptitle(caption(r), fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def _where(items: list[str]) -> str:
+    return ", ".join(items[:-1]) + (" and " if len(items) > 1 else "") + items[-1] if items else ""
+
+
+def reading(r: dict) -> str:
+    """The decision table in sentences, every figure from the run (Markdown bullets)."""
+    rows = r["decision"]
+    cells = {c["name"]: c.get("traffic", {}) for c in r["columns"]}
+
+    def value(col: str, row: dict) -> str:
+        return _headline(row["headline"], cells.get(col, {}).get(row["traffic"], {}).get(row["headline"]))
+
+    def sentence(subject: str, verdicts: dict, other_col) -> str:
+        parts = []
+        for word in verdicts:
+            hits = [f"{row['traffic']} ({HEADLINE_NAMES.get(row['headline'], row['headline'])} {value('all', row)} "
+                    f"against {value(other_col(row), row)}, {_fmt(v['x'], '.2f')}x)"
+                    for row, v in verdicts[word]]
+            if hits:
+                parts.append(f"{word} on {_where(hits)}")
+        quiet = [row["traffic"] for row, v in verdicts.get("~", [])]
+        idle = [row["traffic"] for row, v in verdicts.get("idle", [])]
+        parts = [p for p in parts if not p.startswith(("~", "idle"))]
+        if quiet:
+            parts.append(f"no difference beyond noise on {_where(quiet)}")
+        if idle:
+            parts.append(f"idle (no prefix shared) on {_where(idle)}")
+        return f"* **{subject}**: " + "; ".join(parts) + "."
+
+    lines = []
+    for tech in rows[0]["techniques"] if rows else []:
+        verdicts = {w: [] for w in ("pays", "costs", "~", "idle", "?")}
+        for row in rows:
+            v = row["techniques"][tech]
+            verdicts[v["verdict"]].append((row, v))
+        lines.append(sentence(tech, verdicts, lambda row, t=tech: f"all - {t}"))
+    for key, name in (("transformers", "transformers serve"), ("vllm", "vllm serve")):
+        verdicts = {w: [] for w in ("ahead", "behind", "~", "?")}
+        for row in rows:
+            v = row[f"ours_vs_{key}"]
+            verdicts[v["verdict"]].append((row, v))
+        if len(verdicts["?"]) < len(rows):
+            lines.append(sentence(f"all against `{name}`", verdicts, lambda row, n=name: n))
+    first = r["traffics"][0]["name"] if r["traffics"] else None
+    on, off = cells.get("all", {}).get(first), cells.get("all - continuous batching", {}).get(first)
+    if on and off:
+        moves = ", ".join(f"{label} {_fmt(off.get(key), spec)} → {_fmt(on.get(key), spec)}{unit}"
+                          for label, key, spec, unit in (("output tok/s", "output_tok_s", ".1f", ""),
+                                                         ("TPOT P50", "tpot_p50_ms", ".0f", " ms"),
+                                                         ("TTFT P50", "ttft_p50_ms", ".0f", " ms")))
+        lines.append(f"* **Turning continuous batching on, {first}**: {moves}.")
+    lines.append(f"* Pays/costs and ahead/behind are {noise_line(r)}.")
+    return "\n".join(lines)
+
+
+def slide_caption(r: dict) -> str:
+    """The figure's caption for a deck: the rule, the run's size and where and when it was measured."""
+    from ..bench.compare import describe_machine
+    servers = sum("traffic" in c for c in r["columns"])
+    return (f"Each cell: everything on against everything on but that technique, on the traffic's headline; "
+            f"{noise_line(r)}. Right: all against `transformers serve` and `vllm serve`, one run each. "
+            f"`python -m labsupport bench capstone`: {servers} servers x {len(r['traffics'])} traffics in "
+            f"{r['seconds'] / 60:.0f} min on {describe_machine(r['machine'])}, {r['date']}, "
+            f"${r['usd_per_hour']:.2f}/hour.")

@@ -14,7 +14,7 @@ STYLE = {("repetitive", 0.0): ("#1f77b4", "-"), ("repetitive", 1.0): ("#1f77b4",
 
 
 def plot_spec(report: dict, title: str | None = None):
-    rows = report["rows"]
+    rows = [r for r in report["rows"] if not r.get("repeat")]  # plain decoding's second run only measures noise
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     k_rows = [r for r in rows if r["sweep"] == "k"]
     for (workload, temp) in sorted({(r["workload"], r["temperature"]) for r in k_rows}):
