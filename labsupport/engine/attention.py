@@ -61,8 +61,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 
     Called with a batch dimension of 1 on purpose: PyTorch's fused CPU kernel (flash attention,
     which never materialises the [H, Lq, Lk] scores) takes only 4-D inputs, and 3-D ones fall back
-    to the math path. Measured on the 2-core CPU, SmolLM2's 9 heads: 7x faster for a 2048-token
-    prompt, 9x for 4096 (prefill of 4096 tokens: 69 s before, mostly attention)."""
+    to the math path, which materialises every score: several times slower on long prompts
+    (benchmarks/README.md has the figures)."""
     out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal,
                                          enable_gqa=True)
     return out[0]

@@ -6,23 +6,19 @@ re-reads as many bytes as the attention itself reads (about 350 MB per step, the
 vLLM's CPU backend and the GPU's Triton kernel (``triton_attention.py``) read the blocks where they
 lie instead. This is the same idea for the CPU, written as plainly as the loop it replaces: for
 each (sequence, KV head), scores of the head group's queries against every key of the context,
-a softmax, then the weighted sum of the values, with the slot of token ``t`` found as
-``block_table[t / block_size] * block_size + t % block_size``. Each (sequence, KV head) is one task
-of PyTorch's own thread pool (``at::parallel_for``), so ``torch.set_num_threads`` applies.
+a softmax, then the weighted sum of the values. The slot of token ``t`` is
+``block_table[t / block_size] * block_size + t % block_size``; the kernel walks the table block by
+block instead of computing that for every token, because a division per token is a real part of a loop
+this short. Each (sequence, KV head) is one task of PyTorch's own thread pool (``at::parallel_for``),
+so ``torch.set_num_threads`` applies.
 
-Measured on the 2-core course machine (batch 32, ~240-token contexts, SmolLM2's 9 query and 3 KV
-heads, 30 layers' pools cold): 1.38 ms per layer against 2.98 ms for the gather and two matmuls, the
-same output to 3e-7; a batch-32 decode step 1.35x faster (README, "Performance"). Walking the table block
-by block, rather than finding each token's slot with a division, halved it again on the Zen 5 machine
-(batch 32, contexts of 250-500 tokens: 1.07 ms per layer against 2.1, bit-identical output).
-
-Written with explicit vectors (``cpu_kernels.VECTORS``: AVX-512 where the CPU has it) it took a third
-off again: the dot products of q and k reduce one register each, the softmax's ``exp`` is a polynomial
-the compiler vectorises (``VECTORS``' ``exp_nonpositive``; ``std::exp`` is a scalar call, and was a third
-of the kernel's time), and the weighted sum of the values stays in registers, four vectors of the head at
-a time, instead of adding into memory token by token. Measured on the Zen 5 machine, batch 32, contexts of 100-200 tokens, 30 layers'
-pools cold, old and new alternating: 0.41-0.46 ms per layer against 0.65-0.73 (AVX2 build: 0.56), with
-the same bytes read at ~33 GB/s by a plain sum taking 0.27-0.33; outputs within 3e-7 of the old kernel.
+It is written with explicit vectors (``cpu_kernels.VECTORS``: AVX-512 where the CPU has it), because the
+plain loop spent its time on arithmetic the compiler left scalar rather than on reading K/V: the dot
+products of q and k reduce one register each, the softmax's ``exp`` is a polynomial the compiler
+vectorises (``VECTORS``' ``exp_nonpositive``; ``std::exp`` is one scalar call per score), and the weighted
+sum of the values stays in registers, four vectors of the head at a time, instead of adding into memory
+token by token. What each version measured against the gather: ``benchmarks/README.md`` (the CPU decode kernel; a
+vectorised decode kernel). Its output equals the gather's to float rounding (``tests/test_cpu_attention.py``).
 
 The prefill rows' kernel (``cpu_prefill.py``: every prompt and chunk of a step in one call, read in place
 the same way) is compiled into the same extension, and its Python side is ``cpu_prefill_attention`` below.

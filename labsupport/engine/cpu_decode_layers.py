@@ -3,12 +3,11 @@
 At batch 1 a decode step is mostly reading the weights (the thin products, ``models/cpu_products.py``), and
 around them each layer makes about twenty Python calls: module calls, the norm, RoPE and SiLU kernels, the
 K/V writes, splits and views, the attention. Each costs one to a few microseconds, and more in a real step
-than alone, because the weights streaming through the caches evict the interpreter's state: measured on the
-2-core Zen 5 machine, 5-6 ms of a 21 ms step. A GPU removes the same overhead by replaying a CUDA graph
-(``cuda_graphs.py``); a CPU has no graphs, so ``decode_layer`` below calls the very kernels the Python layer
-calls, in the same order, from C++: one call per layer instead of twenty. In the engine, alternating with
-the Python layers in one process (median step, 4 x 40 each): 15.6 against 18.1 ms at batch 1, 17.9 against
-20.5 at 2, 17.6 against 20.8 at 3, the same tokens and logprobs.
+than alone, because the weights streaming through the caches evict the interpreter's state: together they
+are a large share of a batch-1 step (``benchmarks/README.md``: the breakdown, and what this file bought).
+A GPU removes the same overhead by replaying a CUDA graph (``cuda_graphs.py``); a CPU has no graphs, so
+``decode_layer`` below calls the very kernels the Python layer calls, in the same order, from C++: one call
+per layer instead of twenty, the same tokens and logprobs.
 
 The Python model (``models/llama.py``) stays the one description of the layer; this is a faster way to run
 it, for the steps where nothing else may need to see inside a layer, and it steps aside otherwise:

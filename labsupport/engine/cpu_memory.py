@@ -3,16 +3,15 @@
 A prefill step of 32 prompts x 200 tokens allocates activations of 15 to 80 MB (the stacked gate/up
 product alone is [6400, 3072] floats). glibc's ``malloc`` serves a block that large with a fresh
 ``mmap`` and returns it with ``munmap`` when it is freed, so the next layer's tensor of the same size
-lands on fresh pages: one page fault per 4 KB, about 19,000 for that product. Measured on the course
-machine (2-core AMD EPYC): filling a new [6400, 1536] tensor took 17 ms, the arithmetic into a reused
-one 2-3 ms; ``silu(gate) * up`` was three quarters page faults. A GPU has its caching allocator for
-this; PyTorch's CPU allocator has none.
+lands on fresh pages: one page fault per 4 KB, about 19,000 for that product, so filling a new tensor
+costs several times the arithmetic into a reused one (``benchmarks/README.md``: the figures). A GPU has its caching
+allocator for this; PyTorch's CPU allocator has none.
 
 Three ``mallopt`` settings keep the memory: ``M_MMAP_MAX = 0`` (every block comes from the heap),
 ``M_TRIM_THRESHOLD = 256 MB`` and ``M_TOP_PAD = 64 MB`` (free memory at the top of the heap is handed
 back only past 256 MB, so at most that much freed memory stays resident there; a freed block in the
-middle of the heap stays as it does under any ``malloc``). Measured: that 32 x 200-token
-prefill 7.0 s -> 4.8 s; decode steps, whose tensors are small, do not change. vLLM's CPU guide gets the
+middle of the heap stays as it does under any ``malloc``). Prefill steps, whose tensors are large, get
+faster; decode steps, whose tensors are small, do not change. vLLM's CPU guide gets the
 same effect by preloading tcmalloc (``LD_PRELOAD``), which a notebook kernel cannot do after it started.
 
 It applies to the whole process, once, when the first CPU engine is built; set the environment

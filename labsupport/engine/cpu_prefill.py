@@ -2,8 +2,8 @@
 
 A prompt (or a chunk of one) attends causally over its context. PyTorch's fused CPU kernel does that one
 sequence at a time (``paged_attention.prefill_attention``: flash attention, after gathering a chunk's earlier
-context out of the pool), and at the lengths a serving step mixes, 20-400 tokens, it runs at 40-60 GFLOP/s on
-the 2-core course machine, a seventh of what the same machine's products reach. This kernel serves every
+context out of the pool), and at the lengths a serving step mixes, 20-400 tokens, it runs far below the rate
+the same machine's products reach (``benchmarks/README.md``: the figures). This kernel serves every
 prefill sequence of a step in one call per layer, reading keys and values where they lie in the pool (the
 step's new K/V are written there first), the same way ``cpu_attention.py`` serves the decode rows.
 
@@ -22,11 +22,9 @@ How it is laid out, and why:
 * **The weighted sum of the values** keeps a tile of 6 rows x 64 floats of the output in registers while it
   walks the chunk's value rows, scaling what came before by the softmax's factor as it loads it.
 
-Measured on the Zen 5 course machine, one layer, SmolLM2's heads (9 query, 3 KV, 64 wide), pools of shuffled
-blocks, the kernel against ``prefill_attention`` per sequence: 32 prompts of 200 tokens 10-11 ms against
-25-26 ms; 48 prompts of 20-400 tokens 19-22 against 56-60; 16 chunks of 77 tokens after a 600-token cached
-prefix 13 against 21-25 (that path also gathered the prefix); one 2048-token prompt 17-19 against 47. The
-outputs agree to 7e-7 (``tests/test_cpu_attention.py``).
+What it measured against ``prefill_attention`` per sequence, on W1's, WV's and W3's prefills, is in
+``benchmarks/README.md`` (a prefill attention kernel). Its outputs agree with that path to float rounding
+(``tests/test_cpu_attention.py``).
 
 Compiled with the decode kernel into one extension (``cpu_attention.available()``); the source below expects
 ``cpu_kernels.VECTORS`` (with its ``exp_nonpositive``) and the decode kernel before it.

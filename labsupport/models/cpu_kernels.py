@@ -2,26 +2,26 @@
 
 A decode step of one sequence is mostly the products' weight reads (``cpu_products.py``); around them
 each layer runs a dozen small operators on a few thousand numbers, where PyTorch spends its time in
-dispatch, not arithmetic. These kernels do that work in one call each, measured on the 2-core course
-machine (Zen 5, AVX-512), default model, float32 (``fused_kernels.py`` has their twins for GPUs):
+dispatch, not arithmetic. These kernels do that work in one call each (``fused_kernels.py`` has their
+twins for GPUs; what each saved, measured: ``benchmarks/README.md``):
 
 **RoPE of q and k in one call** (``cpu_rope_qk``).
 ``apply_rope`` in PyTorch is about a dozen small operators for q and k together (slices, a negation,
 a concatenation, broadcast products and sums), each a few microseconds of dispatch around almost no
-arithmetic: 35 us per layer at one token, about 1 ms of a single-sequence decode step. One C++ loop
-does both rotations in 2 us and writes q and k contiguous, which the decode kernel
+arithmetic, in every layer of every step. One C++ loop does both rotations and writes q and k
+contiguous, which the decode kernel
 (``engine/cpu_attention.py``) reads without a copy. It computes exactly what ``apply_rope`` computes,
 product by product and sum by sum (no fused multiply-add: ``-ffp-contract=off``), so its output is
 bit-identical.
 
-**RMSNorm in one pass** (``cpu_rms_norm``). ``F.rms_norm`` takes 8-9 us at one token of 576 features
-(61 calls a step), the C++ loop 1-2; at prefill sizes it is 2-4x faster too (2048 x 576: 100 against
-240 us). It sums the squares in vector lanes, so its result differs from the reference in the last
-bits (a few units in the last place); tokens are checked against transformers as for every product.
+**RMSNorm in one pass** (``cpu_rms_norm``). A decode step calls the norm 61 times, so at one token
+``F.rms_norm``'s dispatch outweighs its arithmetic; one C++ pass (the sum of squares in vector lanes, then
+the scaling) is faster at one token and at prefill sizes too. Summing in lanes, its result differs from
+the reference in the last bits (a few units in the last place); tokens are checked against transformers
+as for every product.
 
 **SiLU-and-multiply** (``cpu_silu_mul``) from the stacked gate/up product, with ``exp_nonpositive``
-instead of a scalar ``exp`` call: 2 against 4 us at one token, 1.0 against 1.6 ms at 2048 x 1536.
-Together the two took 0.9 ms off a 17 ms batch-1 decode step (in one process, on and off alternating).
+instead of a scalar ``exp`` call: one pass over the product instead of two over its strided halves.
 
 **Building.** ``compile_cpu_extension`` compiles a source once per machine with
 ``torch.utils.cpp_extension`` (a C++ compiler, ``ninja``, 20-40 s; cached under

@@ -1,13 +1,12 @@
 """The products' compiled C++ kernels on the CPU: ``x @ weight.T + bias`` for the few rows of a decode step.
 
-Measured on the 2-core course machine (Zen 5, AVX-512), default model, float32; ``products.py`` routes each
-product to these or to oneDNN:
+``products.py`` routes each product to these or to oneDNN, by the number of rows, where each was
+measured to be faster (``benchmarks/README.md``: the figures, Zen 5 with AVX-512, default model, float32):
 
 **Thin products** (``thin_product``): ``x @ weight.T`` for one to three rows of ``x``, a decode step of
-one to three sequences. Such a product only streams its weight from memory, and oneDNN's packed
-path reads SmolLM2's 538 MB at ~31 GB/s (17-18 ms a step, the 121 products of the model). Eight
-weight rows at a time, each read once and dotted with every row of ``x`` from registers, reach
-~37 GB/s: 14.7 against 18.5 ms at one row, 17.7 against 22.5 at two, 18.3 against 21.1 at three;
+one to three sequences. Such a product only streams its weight from memory (SmolLM2's 538 MB over the
+model's 121 products), so the rate it reads the weight is its speed. Eight weight rows at a time, each
+read once and dotted with every row of ``x`` from registers, read it faster than oneDNN's packed path;
 from four rows on, oneDNN's blocking wins (AVX2 builds: up to two rows). The sum runs in a
 different order from oneDNN's, as oneDNN's differs from the default BLAS: tokens are checked
 against transformers as for every product.
@@ -15,10 +14,9 @@ against transformers as for every product.
 **Panel products** (``panel_product``): four to 128 rows, a decode step of a batch or a short chunk. The
 weight is re-laid once as panels of 32 columns (``pack_panels``: [N / 32, K, 32]), so for each ``k`` a
 tile of 12 rows of ``x`` multiplies two vector loads of the panel by 12 broadcast numbers, 24
-multiply-adds into sums kept in registers (AVX2: 6 rows x 16 columns). The model's 121 products, both
-threads, against oneDNN on its own packed copy in the same loop (three runs, noisy): 15-25 vs 21-31 ms
-at 8 rows, 29-42 vs 34-44 at 32, 38-44 vs 44-58 at 48, 51-57 vs 57-67 at 64, 121 vs 107 at 128 (where
-oneDNN's plain path, 127, is the alternative), slower beyond.
+multiply-adds into sums kept in registers (AVX2: 6 rows x 16 columns). Against oneDNN on its own packed
+copy it is faster up to about 64 rows; at 128 it is slower than that copy but still a little faster than
+oneDNN on the plain weight, and slower beyond: hence ``PANEL_ROWS`` below.
 
 They are compiled into the same extension as ``cpu_kernels.py``'s (one build: ``cpu_kernels.build``).
 """

@@ -3,8 +3,9 @@
 **RoPE of q and k in one kernel** (``triton_rope_qk``).
 
 ``apply_rope`` in PyTorch is five small kernels per tensor (negate, concatenate, two products, a
-sum), ten per layer for q and k. In a decode step of an 8B model on an H200 each lasts 2-3 us and
-they add up to a tenth of the step, with almost no bytes moved: launch and latency, not work. This
+sum), ten per layer for q and k. In a decode step of an 8B model on a GPU each is a few microseconds
+that moves almost no bytes, and together they are a visible part of the step: launch and latency, not
+work (``benchmarks/README.md``: what they measured on an H200). This
 kernel does both rotations in one launch, one program per token over all its heads, in fp32, and
 writes q and k contiguous (what the attention kernel reads).
 
@@ -13,8 +14,7 @@ equal, as ``LlamaForCausalLM.rope_cos_sin`` builds them). Checked against ``appl
 under ``TRITON_INTERPRET=1`` (``tests/test_triton_attention.py`` runs the interpreter tests).
 
 **SiLU-and-multiply** (``triton_silu_mul``): ``silu(gate) * up`` from the stacked gate/up product
-([T, 2I], ``fuse_projections``), one kernel instead of two that read strided halves (measured on the
-H200: 7.7 us per layer for the pair, about 2 for this kernel).
+([T, 2I], ``fuse_projections``), one kernel instead of two that read strided halves.
 """
 from __future__ import annotations
 

@@ -1,20 +1,19 @@
 """How the model's products ``x @ weight.T + bias`` run: which path for which device, rows and layout.
 
 Almost all of a forward pass is these products (121 of them in a SmolLM2 step), and on a CPU in float32
-the fastest path depends on how many rows ``x`` has, measured on the 2-core course machine (Zen 5,
-AVX-512), the model's products one after another, both threads:
+the fastest path depends on how many rows ``x`` has (measured, the model's products one after another
+and whole decode steps: ``benchmarks/README.md``):
 
 * **1-3 rows** (a decode step of one to three sequences): the C++ kernel that streams each weight row
   once (``cpu_products.thin_product``), reading the plain weight.
 * **4-128 rows** (decode steps of a batch, short chunks): the C++ panel kernel (``cpu_products.panel_product``)
   on a copy of the weight re-laid as panels, made once when the model loads (``pack_cpu_weights``). It
-  keeps a 12 x 32 block of sums in registers. Against oneDNN's own packed copy, in one process, old and new
-  alternating, whole decode steps: batch 8 24.9 vs 31.6 ms, 40 63.6 vs 68.7, 48 77.5 vs 99.3 (median
-  of 60 steps; oneDNN packs for 32 rows, and at 33-64 it does the work of 64).
-* **More rows** (prefill): oneDNN on the plain weight, twice as fast as ``F.linear`` with this torch
-  build. Its packed copy is 0-8 % faster at 512-2048 rows and 5-30 % at 6400 in the products alone (noisy),
-  but whole W1 and WV runs with that copy kept beside the panels moved by less than the machine's noise,
-  so the panels take its place rather than 0.54 GB more.
+  keeps a 12 x 32 block of sums in registers, and beats oneDNN's own packed copy, which packs for 32
+  rows and at 33-64 does the work of 64.
+* **More rows** (prefill): oneDNN on the plain weight, faster than ``F.linear`` with this torch build.
+  Its packed copy is a little faster in the products alone, but whole W1 and WV runs with that copy kept
+  beside the panels moved by less than the machine's noise, so the panels take its place rather than
+  0.54 GB more.
 
 Where the C++ kernels are not built (no compiler) or a weight's rows are not a whole number of panels,
 the copy is oneDNN's packed layout instead, used at every size, as before the panels. Autograd, GPUs and
@@ -31,10 +30,9 @@ from torch import nn
 
 from . import cpu_products
 
-# oneDNN's fp32 matmul, where this torch build has it (x86 CPUs). Measured on a 2-core EPYC (AVX2),
-# both threads: on the 49152-wide LM head of a decode step about 1.7x faster than the default BLAS
-# path (7.7 vs 13 ms at 1 row, 26 vs 49 ms at 32 rows); over a whole decode step 4-8 % faster.
-# Only where it was measured: x86 (an Arm laptop keeps F.linear).
+# oneDNN's fp32 matmul, where this torch build has it (x86 CPUs): faster than the default BLAS path,
+# the 49152-wide LM head of a decode step most (benchmarks/README.md has the figures). Only where it
+# was measured: x86 (an Arm laptop keeps F.linear).
 _onednn_linear = (getattr(torch.ops.mkldnn, "_linear_pointwise", None)
                   if torch.backends.mkldnn.is_available() and platform.machine().lower() in ("x86_64", "amd64") else None)
 

@@ -17,7 +17,7 @@ On the embedding, not on such a grid (it is ``lm_head``), group 32 errs 9.0 % ag
 
 The products run in torch's own kernels (``aten._weight_int8pack_mm``; ``_weight_int4pack_mm_for_cpu``
 on the CPU, ``_weight_int4pack_mm`` on CUDA: gpt-fast's). Their fast paths take bfloat16 activations
-(float32 ones take a scalar loop on the CPU, measured 10-20x slower), so activations are rounded to
+(float32 ones take a scalar loop on the CPU, many times slower), so activations are rounded to
 bfloat16 at each product and the result comes back in the model's dtype. Each module checks its kernel
 on one row against the dequantized weights when built; a kernel missing or disagreeing falls back to
 dequantize-then-matmul, and ``module.path`` (and ``quantize_model``'s report) says which path runs.
@@ -33,8 +33,8 @@ from torch import nn
 
 SCALE_DTYPE = torch.bfloat16  # scales, zeros and kernel activations: the dtype the kernels take
 # Rows above which a float32 int8 product dequantizes and uses float32 BLAS instead of the kernel. The
-# CPU kernel costs the same per row at any batch, BLAS gets cheaper per row: measured on one core of a
-# 2-core EPYC, 1536x576, 1 row 0.08 ms (kernel) vs 0.33 ms; 32 rows 1.32 ms vs 1.14 ms; 1024 rows 43 vs 21 ms.
+# CPU kernel costs the same per row at any batch, BLAS gets cheaper per row: the kernel wins at one row and
+# loses by 32 (benchmarks/README.md has the figures).
 KERNEL_MAX_ROWS = 16
 METHODS = ("int8", "int4")
 
