@@ -29,12 +29,14 @@ def eager(llm):
 def test_the_same_tokens_and_logprobs_as_the_python_layers(built, llm, eager):
     layers = llm.engine.runner.cpu_layers
     assert layers is not None and eager.engine.runner.cpu_layers is None
+    from labsupport.models import cpu_products
+    thin = cpu_products.thin_rows()  # the rows the C++ layers take: 3 with AVX-512, 2 with AVX2
     for batch in (1, 2, 3, 5):
         before = layers.num_steps
         fast = llm.generate(PROMPTS[:batch], PARAMS, use_tqdm=False)
         slow = eager.generate(PROMPTS[:batch], PARAMS, use_tqdm=False)
         ran = layers.num_steps - before
-        assert ran >= 11 if batch <= 3 else ran == 0  # every decode step, or none: 5 rows go to the Python layers
+        assert ran >= 11 if batch <= thin else ran == 0  # every decode step, or none: more rows go to Python
         for a, b in zip(fast, slow):
             assert a.token_ids == b.token_ids
             assert a.logprobs == b.logprobs  # the same kernels in the same order: bit for bit

@@ -136,8 +136,7 @@ def server_args(col: dict, s: Sizes, kv_bytes_per_token: int) -> list[str]:
             "--enable-prefix-caching" if c["enable_prefix_caching"] else "--no-enable-prefix-caching"]
     # without chunking, a step still has a budget: it must hold the longest prompt whole
     args += ["--max-num-batched-tokens", str(s.chunk_tokens if c["enable_chunked_prefill"] else s.max_model_len)]
-    if c["enable_chunked_prefill"]:
-        args.append("--enable-chunked-prefill")
+    args.append("--enable-chunked-prefill" if c["enable_chunked_prefill"] else "--no-enable-chunked-prefill")
     if c["speculative"]:
         args += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": s.spec_k,
                                                      "prompt_lookup_max": 4, "prompt_lookup_min": 2})]

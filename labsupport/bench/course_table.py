@@ -118,6 +118,8 @@ def server_args(row: Row, s: Sizes) -> list[str]:
             "--enable-prefix-caching" if e["enable_prefix_caching"] else "--no-enable-prefix-caching"]
     if e.get("enable_chunked_prefill"):
         args += ["--enable-chunked-prefill", "--max-num-batched-tokens", str(s.chunk_tokens)]
+    else:  # serve chunks by default now: a row before chapter 05 turns it off, with the engine's old budget
+        args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192"]
     return args
 
 

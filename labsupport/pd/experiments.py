@@ -32,7 +32,8 @@ from ..bench.serve_bench import COMPLETIONS, BenchResult, benchmark
 from ..bench.metrics import percentile
 from .cluster import Router, Worker, start_all, stop_all
 
-WORKER_ARGS = ["--num-blocks", "512", "--max-num-batched-tokens", "2048"]  # ~0.4 GB of KV per worker
+WORKER_ARGS = ["--num-blocks", "512", "--max-num-batched-tokens", "2048",  # ~0.4 GB of KV per worker
+               "--no-enable-chunked-prefill"]  # serve chunks by default: the colocated baseline does not
 CHUNKED_ARGS = ["--enable-chunked-prefill", "--max-num-batched-tokens", "256"]
 
 

@@ -106,10 +106,12 @@ MECHANISMS = [dict(zip(("mechanism", "chapter", "ours", "vllm", "differs"), (m, 
      "model_executor/custom_op.py:CustomOp", "vLLM's are CustomOps: compiled C++/CUDA kernels with a PyTorch fallback"),
     ("Frontend (prompt to tokens)", "06", "frontend.py:Frontend",
      "v1/engine/input_processor.py:InputProcessor renderers/hf.py:HfRenderer", "vLLM also renders multimodal inputs and tools"),
-    ("Async engine", "06", "serve/async_engine.py:AsyncEngine serve/async_engine.py:RequestStream",
+    ("Async engine", "06", "serve/core_client.py:EngineCoreClient serve/engine_core.py:EngineCore "
+     "serve/request_stream.py:RequestStream serve/async_engine.py:AsyncEngine",
      "v1/engine/async_llm.py:AsyncLLM.generate v1/engine/core_client.py:AsyncMPClient v1/engine/core.py:EngineCoreProc "
      "v1/engine/output_processor.py:RequestOutputCollector",
-     "ours steps in a thread of the server; vLLM's EngineCore is its own process, reached over ZMQ"),
+     "both run the engine core in its own process, reached over ZMQ with msgpack; ours keeps chapter 06's "
+     "engine-loop thread too (--engine-in-process)"),
     ("OpenAI API", "06", "serve/api.py:create_app serve/protocol.py:ChatCompletionRequest",
      f"{CHAT}serving.py:OpenAIServingChat {CHAT}protocol.py:ChatCompletionRequest entrypoints/launchers/app.py:build_app "
      "entrypoints/serve/instrumentator/health.py:health",
