@@ -13,8 +13,14 @@ URIs before Marp sees the deck, so one HTML file is the whole deck: it can be ma
 a USB stick or opened from any folder, and needs no network. The built HTML is then checked to
 load nothing from the network (no CDN script, stylesheet or font).
 
-Any problem (a tagged cell without a PNG, a deck pointing at a figure nobody produced, Marp
-failing) is reported with the file it concerns, and the exit status is non-zero.
+Numbers too. A line ``<!-- output: <name> -->`` in a deck becomes the ``text/markdown`` output
+(``display(Markdown(...))``) of the chapter's cell tagged ``slide-text:<name>``, so a table or a
+sentence of measured figures on a slide is the one the notebook printed in its last run, never a
+hand-copied one that the next run makes false.
+
+Any problem (a tagged cell without a PNG or without markdown, a deck pointing at a figure or an
+output nobody produced, Marp failing) is reported with the file it concerns, and the exit status
+is non-zero.
 """
 from __future__ import annotations
 
@@ -36,6 +42,8 @@ from course_map import expand as expand_course_map  # noqa: E402  (slides/course
 
 REPO = HERE.parent
 TAG_PREFIX = "slide:"
+TEXT_TAG_PREFIX = "slide-text:"
+OUTPUT_DIRECTIVE = re.compile(r"^<!--\s*output:\s*([A-Za-z0-9_-]+)\s*-->[ \t]*$", re.MULTILINE)
 FIGURE_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg",
                ".gif": "image/gif", ".webp": "image/webp"}  # the data URIs Marp's parser accepts
@@ -182,9 +190,38 @@ def run_marp(marp: str, source: Path, target: Path, extra: list[str]) -> None:
         raise BuildError(f"marp failed on {source.name} -> {target.name}:\n{result.stderr.strip()}")
 
 
-def build_deck(deck: Path, out_dir: Path, marp: str | None, chromium: str | None) -> list[Path]:
+def first_markdown(cell) -> str | None:
+    for output in cell.get("outputs", []):
+        text = output.get("data", {}).get("text/markdown")
+        if text is not None:
+            return "".join(text) if isinstance(text, list) else text
+    return None
+
+
+def expand_outputs(markdown: str, deck: Path, notebooks_dir: Path) -> str:
+    """Each ``<!-- output: name -->`` line replaced by the markdown its chapter's ``slide-text:name`` cell printed."""
+    names = OUTPUT_DIRECTIVE.findall(markdown)
+    if not names:
+        return markdown
+    texts = {}
+    for nb_path in chapter_files(notebooks_dir, ".ipynb", {deck.name[:2]}):
+        for cell in nbformat.read(nb_path, as_version=4).cells:
+            for tag in cell.get("metadata", {}).get("tags", []):
+                if tag.startswith(TEXT_TAG_PREFIX):
+                    texts[tag[len(TEXT_TAG_PREFIX):]] = first_markdown(cell)
+    problems = [f"{deck}: output '{n}': no cell of notebooks/{deck.name[:2]}_*.ipynb is tagged '{TEXT_TAG_PREFIX}{n}'"
+                if n not in texts else f"{deck}: output '{n}': its cell has no text/markdown output "
+                "(display(Markdown(...)); execute the notebook and save it with its outputs)"
+                for n in names if texts.get(n) is None]
+    if problems:
+        raise BuildError("\n".join(problems))
+    return OUTPUT_DIRECTIVE.sub(lambda m: texts[m.group(1)].strip(), markdown)
+
+
+def build_deck(deck: Path, out_dir: Path, marp: str | None, chromium: str | None,
+               notebooks_dir: Path = REPO / "notebooks") -> list[Path]:
     """Step 2 for one deck: HTML always, PDF when a Chromium path is given."""
-    markdown = expand_course_map(inline_images(deck), deck.name[:2])
+    markdown = expand_course_map(expand_outputs(inline_images(deck), deck, notebooks_dir), deck.name[:2])
     if marp is None:
         raise BuildError("marp not found: run `npm ci --prefix slides` first")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -236,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     marp = find_marp()
     for deck in decks:
         try:
-            for path in build_deck(deck, out_dir, marp, chromium):
+            for path in build_deck(deck, out_dir, marp, chromium, args.notebooks):
                 print(f"deck    {path}")
         except BuildError as error:
             errors.append(str(error))

@@ -171,6 +171,30 @@ def test_exercises_and_only_are_respected(project):
     assert [p.name for p in written] == ["07_demo.png"]
 
 
+def test_an_output_directive_becomes_what_the_tagged_cell_printed(tmp_path):
+    module = load_build_module()
+    cell = nbformat.v4.new_code_cell("display(Markdown(table))", metadata={"tags": ["slide-text:numbers"]})
+    cell.outputs = [nbformat.v4.new_output("display_data", data={"text/markdown": "| a | b |\n|---|---|\n| 1 | 2 |",
+                                                                  "text/plain": "<IPython.core.display.Markdown>"})]
+    nbformat.write(nbformat.v4.new_notebook(cells=[cell]), tmp_path / "07_fixture.ipynb")
+    deck = tmp_path / "07_fixture.md"
+    expanded = module.expand_outputs("## The numbers\n\n<!-- output: numbers -->\n\nafter", deck, tmp_path)
+    assert expanded == "## The numbers\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\nafter"
+    with pytest.raises(module.BuildError, match="slide-text:other"):
+        module.expand_outputs("<!-- output: other -->", deck, tmp_path)
+    cell.outputs = [nbformat.v4.new_output("stream", text="| a | b |")]
+    nbformat.write(nbformat.v4.new_notebook(cells=[cell]), tmp_path / "07_fixture.ipynb")
+    with pytest.raises(module.BuildError, match="no text/markdown output"):
+        module.expand_outputs("<!-- output: numbers -->", deck, tmp_path)
+
+
+def test_deck_outputs_match_notebook_tags():
+    """Every ``<!-- output: name -->`` of a deck has a ``slide-text:name`` cell with markdown in its notebook."""
+    module = load_build_module()
+    for deck in sorted((REPO / "slides").glob("[0-9][0-9]_*.md")):
+        module.expand_outputs(deck.read_text(), deck, REPO / "notebooks")   # raises, naming the deck, if not
+
+
 def course_notebooks() -> list[Path]:
     return sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
