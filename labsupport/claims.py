@@ -41,7 +41,8 @@ The rules, exactly:
   beside an output ``TTFT <= 2000 ms``).
 * **Saved data.** ``<!-- data: PATH -->`` (PATH from the repository root) in a markdown cell or the
   deck adds a JSON file's numbers to the chapter's outputs; a key ending in ``_ms``, ``_s``,
-  ``seconds``, ``tok_s`` or ``req_s`` gives its number that unit, any other number has none.
+  ``seconds``, ``tok_s`` or ``req_s`` gives its number that unit, one starting with ``usd`` dollars,
+  any other number has none.
 
 A figure that no output shows is either a measurement to print from the cell that measured it
 (``display(Markdown(f"..."))``), a number the run no longer supports, or a citation to mark.
@@ -220,7 +221,7 @@ def shown_in_json(data, key: str = "") -> list[Shown]:
     if isinstance(data, bool) or data is None:
         return []
     if isinstance(data, (int, float)):
-        unit = next((u for suffix, u in JSON_UNITS if key.endswith(suffix)), None)
+        unit = "$" if key.startswith("usd") else next((u for suffix, u in JSON_UNITS if key.endswith(suffix)), None)
         return [Shown(float(data), unit)] if math.isfinite(data) else []
     return shown_in(str(data))
 

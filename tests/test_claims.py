@@ -92,9 +92,9 @@ def test_a_table_column_gives_its_unit_in_prose_and_in_outputs(tmp_path):
 
 def test_saved_data_counts_only_where_the_chapter_declares_it(tmp_path):
     (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "run.json").write_text(json.dumps({"rows": [{"ttft_p50_ms": 907.2, "seconds": 325.3}]}))
-    prose = "TTFT P50 was 907 ms, and the run took about 5.4 minutes."
-    assert len(failures(chapter(tmp_path, [prose]))) == 2
+    (tmp_path / "data" / "run.json").write_text(json.dumps({"rows": [{"ttft_p50_ms": 907.2, "seconds": 325.3, "usd_per_mtok": 0.324}]}))
+    prose = "TTFT P50 was 907 ms at $0.32 per million tokens, and the run took about 5.4 minutes."
+    assert len(failures(chapter(tmp_path, [prose]))) == 3
     assert failures(chapter(tmp_path, [prose + "\n<!-- data: data/run.json -->"])) == []
 
 
