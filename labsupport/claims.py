@@ -31,8 +31,10 @@ The rules, exactly:
 * **Within its rounding.** A figure written with ``d`` decimals is shown by an output that, in the
   figure's unit, lies within half a unit of its last digit: a prose ``1.5 s`` is shown by ``1.46 s``
   or ``1,460 ms``, not by ``1.4 s``; ``77 %`` by ``77.3%`` or a fraction ``0.773``. Units convert
-  within their kind (``s``↔``ms``↔``min``, ``MB``↔``GiB``, ``%``↔fraction). An output without a
-  unit (a table cell, a JSON value) shows a figure of any unit at the same value.
+  within their kind (``s``↔``ms``↔``min``, ``MB``↔``GiB``, ``%``↔fraction). An output number takes
+  the unit written after it, else the one its markdown table column names (``| TTFT P50 ms |``), else
+  a ``(unit)`` label before it on its line (``TTFT (ms) mean/P50  1800.0 / 2022.7``); a bare number
+  with none of these shows only a ratio (``1.42`` for ``1.42×``) or a percentage as a fraction.
 * **Hedged.** After ``about``, ``around``, ``roughly``, ``nearly``, ``almost``, ``some``, ``~`` or
   ``≈`` the figure may be 10 % off (or its rounding, if wider).
 * **Bounds.** After ``under``, ``below``, ``less than``, ``at most``, ``up to``, ``within``, ``<``,
@@ -125,11 +127,9 @@ def normal_unit(raw: str | None) -> str | None:
 
 # --- prose ----------------------------------------------------------------------------------------
 
-def blank(text: str, pattern: str, flags=0, keep=None) -> str:
+def blank(text: str, pattern: str, flags=0) -> str:
     """Replace what ``pattern`` matches by spaces (newlines kept, so lines still count)."""
-    def spaces(m):
-        return keep(m) if keep else re.sub(r"[^\n]", " ", m.group(0))
-    return re.sub(pattern, spaces, text, flags=flags)
+    return re.sub(pattern, lambda m: re.sub(r"[^\n]", " ", m.group(0)), text, flags=flags)
 
 
 def prose(markdown: str, deck: bool = False) -> str:
@@ -161,6 +161,14 @@ def table_units(text: str) -> dict[tuple[int, int], str]:
     return units
 
 
+def column_unit(text: str, at: int, columns: dict) -> str | None:
+    """The unit the table header names for a bare number at ``at``, if it stands in such a column."""
+    before = text[text.rfind("\n", 0, at) + 1:at]
+    if not before.lstrip().startswith("|"):
+        return None
+    return columns.get((text.count("\n", 0, at) + 1, before.count("|") - 1))
+
+
 def figures(markdown: str, deck: bool = False) -> list[Figure]:
     """Every figure of the prose not exempt by a marker or a constant."""
     text = prose(markdown, deck)
@@ -178,13 +186,9 @@ def figures(markdown: str, deck: bool = False) -> list[Figure]:
         sentence = text[sentence_start:sentence_end]
         line = text.count("\n", 0, at) + 1
         unit = "$" if m.group("usd") else normal_unit(m.group("unit"))
-        if unit is None:  # a bare number: a figure only in a table column whose header names a unit
-            line_start = text.rfind("\n", 0, at) + 1
-            if not text[line_start:at].lstrip().startswith("|"):
-                continue
-            unit = columns.get((line, text[line_start:at].strip().count("|") - 1))
-            if unit is None:
-                continue
+        unit = unit or column_unit(text, at, columns)  # a bare number is a figure only under a unit's column
+        if unit is None:
+            continue
         before = text[max(sentence_start, at - 20):at].replace("*", " ")
         kind = ("hedged" if HEDGE.search(before) else "upper" if UPPER.search(before)
                 else "lower" if LOWER.search(before) else "exact")
@@ -205,10 +209,8 @@ def shown_in(text: str) -> list[Shown]:
     for m in FIGURE.finditer(text):
         unit = "$" if m.group("usd") else normal_unit(m.group("unit"))
         if unit is None:  # a bare number: the unit its table column names, or a label before it, "TTFT (ms) 912"
-            before = text[text.rfind("\n", 0, m.start()) + 1:m.start()]
-            unit = columns.get((text.count("\n", 0, m.start()) + 1, before.count("|") - 1))
-            label = re.findall(r"\(([^()\s]+)\)", before)
-            unit = unit or (label[-1] if label and label[-1] in UNITS else None)
+            label = re.findall(r"\(([^()\s]+)\)", text[text.rfind("\n", 0, m.start()) + 1:m.start()])
+            unit = column_unit(text, m.start(), columns) or (label[-1] if label and label[-1] in UNITS else None)
         out += [Shown(parse_number(n)[0], unit) for n in ONE_NUMBER.findall(m.group("usd") or m.group("chain"))]
     return out
 
