@@ -1,6 +1,7 @@
 # LLM Serving Lab. Two commands do all the set-up:
 #   make lab    create .venv, install, prepare the default model, open JupyterLab on notebooks/
-#   make test   the same set-up, then the unit tests, nbval over every chapter and the GPU course's CPU rehearsal
+#   make test   the same set-up, then the claim check, the unit tests, nbval over every chapter and the GPU course's
+#               CPU rehearsal
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -10,8 +11,8 @@ CHAPTERS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 NBVAL  := --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout 900
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab test test-vllm setup model unit nbval slides slides-deps browser-deps exercises execute clean gpu-check vllm vllm-env \
-	gpu-bundle gpu-course gpu-rehearsal clients serve-compare
+.PHONY: lab test test-vllm setup model unit claims nbval slides slides-deps browser-deps exercises execute clean gpu-check \
+	vllm vllm-env gpu-bundle gpu-course gpu-rehearsal clients serve-compare
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,7 +35,7 @@ lab: model
 # before unit: the vLLM tests (bench serve, chapter 08) run it from .venv-vllm (without it, they skip).
 test:
 	$(MAKE) -j4 model slides-deps browser-deps vllm
-	$(MAKE) unit nbval gpu-rehearsal
+	$(MAKE) claims unit nbval gpu-rehearsal
 
 # Tests that start `vllm serve` are left to chapter 08, which nbval runs with the same checks (CI time);
 # `make test-vllm` runs them.
@@ -45,6 +46,11 @@ UNIT_WORKERS ?= 2
 UNIT_THREADS := $(if $(filter 0,$(UNIT_WORKERS)),,OMP_NUM_THREADS=1)
 unit: model
 	$(UNIT_THREADS) $(BIN)/python -m pytest -q --durations=30 -n $(UNIT_WORKERS) --dist loadfile -m "not vllm_serve" tests
+
+# Every figure the prose states (notebook markdown, decks with their notes) is in its chapter's outputs
+# (labsupport/claims.py says how); `python -m labsupport.claims FILE...` checks some files only.
+claims:
+	$(BIN)/python -m labsupport.claims
 
 test-vllm: model vllm
 	$(BIN)/python -m pytest -q -m vllm_serve tests

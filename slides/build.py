@@ -13,11 +13,14 @@ URIs before Marp sees the deck, so one HTML file is the whole deck: it can be ma
 a USB stick or opened from any folder, and needs no network. The built HTML is then checked to
 load nothing from the network (no CDN script, stylesheet or font).
 
-Numbers a slide states come from the notebook too: ``<!-- notebook-text: NAME -->`` becomes the Markdown
-output of the cell tagged ``slide-text:NAME`` (``notebook_text.py``).
+Numbers a slide states come from the notebook too: a line ``<!-- output: NAME -->`` (``<!-- output: NN NAME -->``
+for another chapter's notebook) becomes the Markdown output (``display(Markdown(...))``) of the cell tagged
+``slide-text:NAME`` (``notebook_text.py``), so a table or a sentence of measured figures on a slide is the one
+the notebook printed in its last run, never a hand-copied one that the next run makes false.
 
-Any problem (a tagged cell without a PNG, a deck pointing at a figure nobody produced, Marp
-failing) is reported with the file it concerns, and the exit status is non-zero.
+Any problem (a tagged cell without a PNG or without markdown, a deck pointing at a figure or an
+output nobody produced, Marp failing) is reported with the file it concerns, and the exit status
+is non-zero.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Numbers on a slide come from the executed notebook, as its figures do.
 
-A deck line ``<!-- notebook-text: NAME -->`` (or ``<!-- notebook-text: NN NAME -->`` for another chapter's
+A deck line ``<!-- output: NAME -->`` (or ``<!-- output: NN NAME -->`` for another chapter's
 notebook) is replaced, before Marp runs, by the Markdown output of the code cell tagged ``slide-text:NAME``
 in ``notebooks/NN_*.ipynb``: a sentence the cell printed from the values it measured
 (``display(Markdown(...))``). Re-execute the notebook and the deck says what the new run measured.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import nbformat
 
-DIRECTIVE = re.compile(r"^<!--\s*notebook-text:\s*(?:(\d\d)\s+)?([A-Za-z0-9_-]+)\s*-->\s*$", re.MULTILINE)
+DIRECTIVE = re.compile(r"^<!--\s*output:\s*(?:(\d\d)\s+)?([A-Za-z0-9_-]+)\s*-->\s*$", re.MULTILINE)
 TAG_PREFIX = "slide-text:"
 
 
@@ -34,11 +34,11 @@ def cell_markdown(notebook: Path, name: str) -> str:
 
 
 def expand(markdown: str, here: str, notebooks_dir: Path) -> str:
-    """Replace each ``notebook-text`` line of deck ``here`` (its chapter number) with the cell's Markdown."""
+    """Replace each ``output`` line of deck ``here`` (its chapter number) with the cell's Markdown."""
     def replace(match: re.Match) -> str:
         chapter, name = match.group(1) or here, match.group(2)
         found = sorted(notebooks_dir.glob(f"{chapter}_*.ipynb"))
         if not found:
-            raise ValueError(f"notebook-text '{name}': no notebooks/{chapter}_*.ipynb in {notebooks_dir}")
+            raise ValueError(f"output '{name}': no notebooks/{chapter}_*.ipynb in {notebooks_dir}")
         return cell_markdown(found[0], name)
     return DIRECTIVE.sub(replace, markdown)

@@ -192,24 +192,34 @@ def write_text_notebook(path: Path, tag: str, markdown: str | None) -> None:
 def test_notebook_text_puts_the_cells_printed_sentence_on_the_slide(tmp_path):
     text = load_notebook_text()
     write_text_notebook(tmp_path / "09_x.ipynb", "slide-text:speed", "* **k = 4**: 1.51x plain decoding")
-    deck = "## Speed\n\n<!-- notebook-text: speed -->\n\n---\n\n<!-- notebook-text: 09 speed -->\n"
+    deck = "## Speed\n\n<!-- output: speed -->\n\n---\n\n<!-- output: 09 speed -->\n"
     out = text.expand(deck, "09", tmp_path)
-    assert out.count("* **k = 4**: 1.51x plain decoding") == 2 and "notebook-text" not in out
+    assert out.count("* **k = 4**: 1.51x plain decoding") == 2 and "output" not in out
     with pytest.raises(ValueError, match="no notebooks/10_"):
-        text.expand("<!-- notebook-text: speed -->", "10", tmp_path)
+        text.expand("<!-- output: speed -->", "10", tmp_path)
 
 
 def test_notebook_text_without_its_cell_or_output_is_an_error(project):
     root, _ = project
     need_marp()
     deck = root / "slides" / "07_fixture.md"
-    deck.write_text(DECK + "\n---\n\n<!-- notebook-text: never_printed -->\n")
+    deck.write_text(DECK + "\n---\n\n<!-- output: never_printed -->\n")
     result = build(root)
     assert result.returncode != 0 and "slide-text:never_printed" in result.stderr and "07_fixture.md" in result.stderr
     text = load_notebook_text()
     write_text_notebook(root / "notebooks" / "08_y.ipynb", "slide-text:empty", None)
     with pytest.raises(ValueError, match="no text/markdown output"):
-        text.expand("<!-- notebook-text: empty -->", "08", root / "notebooks")
+        text.expand("<!-- output: empty -->", "08", root / "notebooks")
+
+
+def test_deck_outputs_match_notebook_tags():
+    """Every ``<!-- output: name -->`` of a deck has a ``slide-text:name`` cell with markdown in its notebook."""
+    text = load_notebook_text()
+    for deck in sorted((REPO / "slides").glob("[0-9][0-9]_*.md")):
+        try:
+            text.expand(deck.read_text(), deck.name[:2], REPO / "notebooks")
+        except ValueError as error:
+            raise AssertionError(f"{deck}: {error}") from error
 
 
 def course_notebooks() -> list[Path]:

@@ -154,3 +154,43 @@ def what_it_bought(chapter: str | int, path=None) -> str:
         ratio = first["capacity"]["usd_per_mtok"] / row["capacity"]["usd_per_mtok"]
         text += f" Against row 00, a million output tokens costs {ratio:.1f}x less."
     return text
+
+
+NOISE = 0.15  # these shared machines drift by about this much from run to run: a smaller change is not one
+
+# (run, key, label, unit, format): what what_moved compares, in the table's order
+_MOVES = [("capacity", "output_tok_s", "output", "tok/s", ".1f"), ("capacity", "usd_per_mtok", "cost", "$/Mtok", ".2f"),
+          ("bursty", "goodput_req_s", "goodput", "req/s", ".2f"), ("bursty", "slo_attainment", "SLO met", "%", ".0f"),
+          ("bursty", "ttft_p50_ms", "TTFT P50", "ms", ".0f"), ("bursty", "mean_queue_time_ms", "queueing", "ms", ".0f")]
+
+
+def what_moved(chapter: str | int, path=None, noise: float = NOISE) -> str:
+    """One markdown sentence from the saved run: this chapter's row against the row before it, metric by metric,
+    a change called a change only beyond ``noise`` (a fraction), so the words can never outrun the numbers."""
+    t, chapter = load(path), f"{int(chapter):02d}"
+    by = {r["chapter"]: r for r in t["rows"] if "capacity" in r}
+    earlier = [c for c in by if c < chapter]
+    if chapter not in by or not earlier:
+        return f"Row {chapter} has no measured row before it to compare with."
+    row, prev = by[chapter], by[earlier[-1]]
+    moved, same = [], []
+    for run, key, label, unit, spec in _MOVES:
+        a, b = ((r.get(run) or r.get("poisson") or {}).get(key) for r in (prev, row))
+        if a is None or b is None:
+            continue
+        scale = 100 if unit == "%" else 1
+        a_, b_ = format(scale * a, spec), format(scale * b, spec)
+        text = (f"{label} ${a_} → ${b_} per million output tokens" if unit == "$/Mtok"
+                else f"{label} {a_} → {b_} {unit}")
+        if a_ == b_:
+            same.append(f"{text} (the same)")
+        elif a != 0 and abs(b / a - 1) <= noise:
+            same.append(f"{text} ({100 * (b / a - 1):+.0f} %)")
+        elif float(a_) and float(b_):
+            moved.append(f"{text} ({max(a, b) / min(a, b):.1f}× {'higher' if b > a else 'lower'})")
+        else:  # from or to (about) zero: no ratio to give
+            moved.append(text)
+    told = f"Row {chapter} ({row['name']}) against row {prev['chapter']} ({prev['name']}), saved run of {t['date']}: "
+    told += ("beyond this machine's ±" + f"{100 * noise:.0f} % run-to-run noise, " + "; ".join(moved) if moved
+             else f"nothing moved beyond this machine's ±{100 * noise:.0f} % run-to-run noise")
+    return told + (f"; within it: {'; '.join(same)}." if same else ".")
