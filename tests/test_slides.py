@@ -256,7 +256,7 @@ def test_deck_figures_match_notebook_tags():
 
 
 def test_deck_texts_match_notebook_tags():
-    """Every ``notebook-text`` line of a deck has its ``slide-text:`` cell, with Markdown output, in the notebook."""
+    """Every ``output`` line of a deck has its ``slide-text:`` cell, with Markdown output, in the notebook."""
     notebooks = {nb.name[:2]: nb for nb in course_notebooks()}
     if not notebooks:
         pytest.skip("no notebooks/NN_*.ipynb yet")
