@@ -5,6 +5,7 @@ error within 5 s, and so does freezing it (``kill -STOP``); the prefill worker f
 when its lease expires, the router's ``/health`` says so, and a restarted worker is used again; a dead
 prefill worker is a fast 503."""
 import json
+import os
 import time
 
 import httpx
@@ -85,6 +86,34 @@ def test_router_answers_equal_colocated_and_decode_computes_one_token_each(worke
     p = workers[0]
     assert wait_for(lambda: metrics(p.url)["labsupport:kv_requests_held"] == 0)
     assert metrics(p.url)["labsupport:kv_transfer_bytes_sent_total"] == after["labsupport:kv_transfer_bytes_received_total"]
+
+
+def smaps(pid: int) -> dict[str, int]:
+    """``/proc/PID/smaps_rollup`` in bytes: Rss, Pss, Anonymous (memory no other process could share), ..."""
+    out = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if value.strip().endswith("kB"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="Linux's smaps_rollup")
+def test_a_worker_holds_its_kv_pool_and_little_more_of_its_own(workers):
+    """Chapter 07 runs four workers: each once held ~1.5 GB of its own (stacked and packed copies of the
+    weights besides a 512-block pool) and 2.3 GB resident. Now the weights are one file every process maps
+    (``models/cpu_weights.py``): what is a worker's own is its KV pool, torch and the server, ~0.3 GB."""
+    p, d = workers
+    for w in workers:  # some work first: a long prefill, a batch of decodes
+        body = {"model": "smol", "prompt": PROMPTS[1] * 8, "max_tokens": 8, "ignore_eos": True}
+        assert httpx.post(w.url + "/v1/completions", json=body, timeout=120).status_code == 200
+    pool = 256 * 16 * 30 * 2 * 3 * 64 * 4  # ARGS' blocks x tokens per block x the default model's KV bytes per token
+    for w in workers:
+        m = smaps(w.proc.pid)
+        own = m["Anonymous"] - pool
+        assert own < 450e6, f"{w.name}: {own / 1e6:.0f} MB of its own besides its {pool / 1e6:.0f} MB KV pool"
+        assert m["Rss"] < 1.9e9 and m["Anonymous"] < 0.7e9, {k: f"{v / 1e6:.0f} MB" for k, v in m.items()}
 
 
 def test_frozen_decode_worker_ends_streams_within_5_s_and_new_requests_get_503_at_once(workers, router):
