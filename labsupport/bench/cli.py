@@ -1,5 +1,5 @@
-"""``python -m labsupport bench {compare,roofline,profile,serve,course-table,spec,roofline-lab,quant,capstone}``: the
-measuring subcommands (the last four are chapter 09's).
+"""``python -m labsupport bench {compare,roofline,profile,serve,course-table,spec,roofline-lab,quant,capstone,soak}``:
+the measuring subcommands (roofline-lab to capstone are chapter 09's; soak is the served path under abuse).
 
 ``python -m labsupport bench --workload ...`` (flat flags, chapters 04-05) stays as it was:
 ``__main__`` sends argv here only when the word after ``bench`` is one of ``SUBCOMMANDS``, so
@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-SUBCOMMANDS = ("compare", "roofline", "profile", "serve", "course-table", "spec", "roofline-lab", "quant", "capstone")
+SUBCOMMANDS = ("compare", "roofline", "profile", "serve", "course-table", "spec", "roofline-lab", "quant", "capstone",
+               "soak")
 OWN_PARSERS = {"roofline-lab": "roofline_lab", "quant": "quant"}  # chapter 09's: they parse their own flags
 
 
@@ -42,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     from . import capstone
     capstone.add_arguments(sub.add_parser("capstone", help="the course engine with every technique, each one off, "
                                                            "transformers serve and vLLM on five traffics: a decision"))
+    from . import soak
+    soak.add_arguments(sub.add_parser("soak", help="a server and a 1P+1D router under schema fuzzing, hang-ups, "
+                                                   "unread streams, a 4 MB /tokenize and a frozen worker, against "
+                                                   "issue 41's targets (a few minutes)"))
     return parser
 
 
@@ -58,6 +63,9 @@ def main(argv: list[str]) -> int:
         if args.subcommand == "capstone":  # records the busy check (at its start) in its JSON
             from .capstone import main as capstone_main
             return capstone_main(args)
+        if args.subcommand == "soak":  # pass/fail figures, not timings: no busy check
+            from .soak import main as soak_main
+            return soak_main(args)
         if args.subcommand == "serve":  # the server under test shares the machine: no busy check
             from .serve_cli import main as serve_main
             return serve_main(args)
