@@ -124,6 +124,12 @@ def run(args) -> dict:
 
 
 def main(args) -> int:
+    try:
+        import psutil  # noqa: F401
+        import schemathesis  # noqa: F401
+    except ImportError as exc:
+        print(f"error: bench soak needs the test extra ({exc.name}): pip install -e '.[course,test]'", file=sys.stderr)
+        return 2
     result = run(args)
     text, all_met = report(result["figures"])
     print("\nsoak details: " + json.dumps(result["details"], default=str))

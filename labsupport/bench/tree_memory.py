@@ -26,17 +26,32 @@ import psutil
 GB = 1e9
 
 
-def tree_memory() -> tuple[int, int, int]:
-    """(sum of PSS, or RSS where PSS is unknown; sum of RSS; processes) of this process and its descendants."""
+def label(p: psutil.Process) -> str:
+    """What a process of the tree is, in a word: ``serve``, ``router``, or its program's name."""
+    try:
+        cmd = p.cmdline()
+    except psutil.Error:
+        return "?"
+    if "labsupport" in cmd and cmd.index("labsupport") + 1 < len(cmd):
+        return cmd[cmd.index("labsupport") + 1]
+    return os.path.basename(cmd[0]) if cmd else "?"
+
+
+def tree_memory() -> tuple[int, int, list[tuple[str, int]]]:
+    """(sum of PSS, or RSS where PSS is unknown; sum of RSS; (label, PSS) of each process) over this process
+    and its descendants; this process is labelled "this process"."""
     me = psutil.Process(os.getpid())
-    held = rss = count = 0
+    held = rss = 0
+    each = []
     for p in [me, *me.children(recursive=True)]:
         try:
             info = p.memory_full_info() if hasattr(psutil.Process, "memory_full_info") else p.memory_info()
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
             continue
-        held, rss, count = held + getattr(info, "pss", info.rss), rss + info.rss, count + 1
-    return held, rss, count
+        mine = getattr(info, "pss", info.rss)
+        held, rss = held + mine, rss + info.rss
+        each.append(("this process" if p.pid == me.pid else label(p), mine))
+    return held, rss, each
 
 
 class TreeMemory:
@@ -45,6 +60,7 @@ class TreeMemory:
     def __init__(self, interval_s: float = 2.0):
         self.interval_s = interval_s
         self.peak = self.peak_rss = self.peak_processes = 0
+        self.peak_each: list[tuple[str, int]] = []
         self.peak_at = self.started = 0.0
         self.has_pss = hasattr(psutil.Process(os.getpid()).memory_full_info(), "pss")
         self._stop = threading.Event()
@@ -66,9 +82,9 @@ class TreeMemory:
         return self
 
     def sample(self):
-        held, rss, count = tree_memory()
+        held, rss, each = tree_memory()
         if held > self.peak:
-            self.peak, self.peak_rss, self.peak_processes = held, rss, count
+            self.peak, self.peak_rss, self.peak_processes, self.peak_each = held, rss, len(each), each
             self.peak_at = time.perf_counter() - self.started
 
     def stop(self) -> "TreeMemory":
@@ -78,9 +94,14 @@ class TreeMemory:
 
     def report(self) -> str:
         what = "sum of PSS: shared pages counted once" if self.has_pss else "sum of RSS (no PSS on this system)"
+        groups: dict[str, list[int]] = {}
+        for name, held in self.peak_each:
+            groups.setdefault(name, []).append(held)
+        parts = ", ".join(f"{name} {sum(v) / GB:.2f}" if len(v) == 1 else f"{len(v)} x {name} {sum(v) / GB:.2f}"
+                          for name, v in groups.items())
         return (f"peak memory of this kernel and its {self.peak_processes - 1} child processes: "
                 f"{self.peak / GB:.2f} GB ({what}; sum of RSS {self.peak_rss / GB:.2f} GB), "
-                f"{self.peak_at:.0f} s after the start")
+                f"{self.peak_at:.0f} s after the start; by process (GB): {parts}")
 
     def __del__(self):
         self._stop.set()

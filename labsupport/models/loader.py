@@ -217,16 +217,29 @@ def load_model(model=None, device="auto", dtype="auto"):
         device = resolve_device(device)
         net = random_model(random_config(str(model)), device, resolve_dtype(dtype, device))
         return net, ByteTokenizer(), Path(model)
-    from transformers import AutoTokenizer
-
     folder = resolve_model_path(model)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
     mapped = cpu_weights.enabled(device, dtype, folder) and ensure_cpu_weights_file(folder, cfg, device, dtype)
     net = _assemble(folder, cfg, device, dtype, mapped)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    return net.eval(), tokenizer, folder
+    return net.eval(), load_tokenizer(folder), folder
+
+
+def load_tokenizer(folder: Path):
+    """The folder's tokenizer, as ``AutoTokenizer`` makes it. Where the folder names the tokenizers-library
+    class itself (``"tokenizer_class": "TokenizersBackend"``, as the default model does), that class is used
+    directly: ``AutoTokenizer`` would pick the same class, after importing its registry of every model's
+    processors (1,044 modules, about 90 MB in each process; chapter 07 has five such processes)."""
+    try:
+        named = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        named = None
+    if named in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def _assemble(folder: Path, cfg: "ModelConfig", device: torch.device, dtype: torch.dtype, mapped: bool):
