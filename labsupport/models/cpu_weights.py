@@ -31,6 +31,7 @@ import torch
 
 LAYOUT_VERSION = 1  # bump when the saved forms change (stacking, packing)
 MIN_BYTES = 32 << 20
+unsavable: set[Path] = set()  # files this process found it cannot write (oneDNN layouts, a read-only cache)
 
 
 def enabled(device: torch.device, dtype: torch.dtype, folder: Path) -> bool:

