@@ -47,7 +47,7 @@ TARGETS = {  # figure -> (best, limit, what the limit means)
 
 def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--fuzz-examples", type=int, default=15, help="schemathesis examples per /v1 route")
+    p.add_argument("--fuzz-examples", type=int, default=25, help="schemathesis examples per /v1 route")
     p.add_argument("--fuzz-seconds", type=float, default=90, help="stop generating fuzz cases after this")
     p.add_argument("--storm-streams", type=int, default=24, help="streams per wave of the disconnect storm")
     p.add_argument("--unread-streams", type=int, default=4, help="never-read streams")
@@ -110,6 +110,7 @@ def run(args) -> dict:
                                                       args.unread_seconds)
         figures["rss_growth_after_close_mb"] = details["unread"]["rss_growth_after_close_mb"]
         figures["rss_peak_growth_mb"] = details["unread"]["rss_peak_growth_mb"]
+        figures["unread_tokens_generated"] = details["unread"]["tokens_generated"]  # what the growth is for
         print("a 4 MB /tokenize beside live streams ...", flush=True)
         details["tokenize"] = probes.tokenize_stall(server.url, NAME, args.live_streams, args.tokenize_bytes)
         figures["max_stall_s"] = details["tokenize"]["max_stall_s"]

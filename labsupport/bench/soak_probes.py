@@ -162,6 +162,7 @@ def never_read_streams(url: str, model: str, pid: int, streams: int, seconds: fl
     host, port = url.removeprefix("http://").split(":")
     wait_idle(url)
     before = peak = tree_rss(pid)
+    tokens_before = metrics(url).get("labsupport:generation_tokens_total", 0)
     socks = []
     try:
         for _ in range(streams):
@@ -175,6 +176,7 @@ def never_read_streams(url: str, model: str, pid: int, streams: int, seconds: fl
         while time.perf_counter() < end:
             peak = max(peak, tree_rss(pid))
             time.sleep(0.5)
+        generated = metrics(url).get("labsupport:generation_tokens_total", 0) - tokens_before
     finally:
         for s in socks:
             s.close()
@@ -182,7 +184,8 @@ def never_read_streams(url: str, model: str, pid: int, streams: int, seconds: fl
     time.sleep(1.0)
     after = tree_rss(pid)
     return {"rss_before_mb": before / 1e6, "rss_peak_growth_mb": (peak - before) / 1e6,
-            "rss_growth_after_close_mb": (after - before) / 1e6, "drained_s": drained_s}
+            "rss_growth_after_close_mb": (after - before) / 1e6, "tokens_generated": int(generated),
+            "drained_s": drained_s}
 
 
 def tokenize_stall(url: str, model: str, live: int, body_bytes: int) -> dict:

@@ -135,7 +135,7 @@ class Router:
         stops = {asyncio.ensure_future(self.stopped.wait()): APIError(503, "the router is shutting down", UNAVAILABLE)}
         if down is not None:
             stops[asyncio.ensure_future(down.wait())] = APIError(
-                503, f"worker {url} went down (it failed a health probe or a request): the request was cut", UNAVAILABLE)
+                503, f"worker {url} stopped answering (it failed a health probe): the request was cut", UNAVAILABLE)
         try:
             await asyncio.wait({work, *stops}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -162,7 +162,9 @@ class Router:
             self.went_down(url)
 
     def went_down(self, url: str):
-        """Every request in flight on ``url`` ends now, with a 503 (``until``)."""
+        """Every request in flight on ``url`` ends now, with a 503 (``until``): the probe found it down. (A request
+        that fails alone does not do this: one broken connection does not make a worker dead, and a dead
+        worker's other connections break by themselves.)"""
         if url in self.down:
             self.down[url].set()
 
@@ -177,8 +179,7 @@ class Router:
         if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
             return APIError(504, f"worker {url} did not answer within {self.request_timeout:g} s", "timeout")
         message = f"worker {url} failed: {type(exc).__name__}: {exc}".rstrip(": ")
-        if self.workers.set_healthy(url, False, message):
-            self.went_down(url)
+        self.workers.set_healthy(url, False, message)  # skipped; its other requests end only if the probe agrees
         return APIError(503, message, UNAVAILABLE)
 
     def status(self) -> str | None:
