@@ -3,6 +3,7 @@ memory figure), ``shutdown()`` and garbage collection returning an engine's memo
 model sharing one copy of its weights. CPU only, small pools."""
 import dataclasses
 import gc
+import os
 import shutil
 import weakref
 
@@ -307,3 +308,22 @@ def test_the_cpu_weights_file_is_mapped_and_an_unwritable_cache_falls_back(llm, 
     other = LLM(model=str(model_copy), device="cpu", num_blocks=16)  # cannot write the file: loads as before
     assert other.engine.model.shared_weights.mapped is None
     assert [o.token_ids for o in other.generate(prompts, GREEDY, use_tqdm=False)] == want
+
+
+def test_the_first_engine_writes_the_cpu_weights_file_and_maps_it_with_the_same_tokens(llm, model_copy, tmp_path,
+                                                                                       monkeypatch):
+    from labsupport.models import cpu_weights
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    want = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(cpu_weights, "cache_file", lambda folder, key: cache / f"{key}.pt")
+    other = LLM(model=str(model_copy), device="cpu", num_blocks=16)
+    assert other.engine.model.shared_weights.mapped.parent == cache  # built, saved, then mapped like every later one
+    assert [o.token_ids for o in other.generate(prompts, GREEDY, use_tqdm=False)] == want
+    if os.path.exists("/proc/self/maps"):  # the stacks and panels are the file's pages, not copies made here
+        path = str(other.engine.model.shared_weights.mapped)
+        spans = [[int(x, 16) for x in line.split()[0].split("-")] for line in open("/proc/self/maps") if path in line]
+        layer = other.engine.model.model.layers[0]
+        for t in (layer.self_attn.qkv[0], layer.mlp.gate_up, layer.mlp.gate_up_packed[0]):
+            assert any(lo <= t.data_ptr() < hi for lo, hi in spans)
+    other.shutdown()

@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import tempfile
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 LAYOUT_VERSION = 1  # bump when the saved forms change (stacking, packing)
 MIN_BYTES = 32 << 20
@@ -51,6 +54,31 @@ def cache_file(folder: Path, key: str) -> Path:
     from .loader import cache_dir
     where = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:8]
     return cache_dir() / "cpu-weights" / f"{folder.name}-{where}-{key}.pt"
+
+
+def ensure(folder: Path, stamp: tuple, tied: bool, build) -> bool:
+    """Make the file of ``folder`` if it is missing, from ``build()`` (a model built the ordinary way, whose
+    ``shared_weights`` are saved and then dropped); True if the file is there now. A file that cannot be
+    written (a full disk, a read-only cache, oneDNN's layouts) is not tried again by this process: it
+    loads as before."""
+    path = cache_file(folder, cache_key(folder, stamp, tied))
+    if path.exists() or path in unsavable:
+        return path.exists()
+    try:
+        with build_lock(path):
+            if not path.exists():  # nobody built it while we waited
+                net = build()
+                if savable(net.shared_weights.packed):
+                    save(path, net.shared_weights, net.shared_weights.packed)
+                else:
+                    unsavable.add(path)
+                del net
+                from ..engine.cpu_memory import release_freed_memory
+                release_freed_memory()  # the built copies: give their pages back, the file's take their place
+    except OSError as exc:
+        log.warning("cannot write the CPU weights file %s (%s): each process keeps its own copy", path, exc)
+        unsavable.add(path)
+    return path.exists()
 
 
 def load(path: Path) -> tuple[dict, dict] | None:
@@ -101,16 +129,3 @@ def build_lock(path: Path):
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def views_of_one_matrix(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """The matrix ``tensors`` are consecutive row blocks of, as a view (no copy), or None: how a stack saved
-    in the file is found again after loading (``llama.fuse_projections``)."""
-    first = tensors[0]
-    offset = first.storage_offset()
-    for t in tensors:
-        if (not t.is_contiguous() or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-                or t.storage_offset() != offset or t.shape[1:] != first.shape[1:]):
-            return None
-        offset += t.numel()
-    return first.as_strided((sum(t.shape[0] for t in tensors), *first.shape[1:]), first.stride())

