@@ -11,7 +11,7 @@ for what only their owner can do: read the server's RSS and freeze (SIGSTOP) the
 * **disconnect storm**: streams at once, half of them hanging up after their first token, then as many
   that all hang up. Target: no KV block still held once the server is idle.
 * **never-read streams**: chat streams with 20 top logprobs per token whose client never reads a byte. The
-  server's RSS while they run and once they are closed. Target: < 50 MB kept after closing.
+  server's RSS while they run and once they are closed. Target: < 50 MB more while open, < 20 MB kept.
 * **a 4 MB /tokenize beside live streams**: the longest a live stream waits for its next token while the
   server tokenizes 4 MB. Target: < 0.5 s.
 * **a frozen PD worker**: the decode worker stopped under a stream through the router. Target: the client
@@ -38,7 +38,8 @@ TARGETS = {  # figure -> (best, limit, what the limit means)
     "server_5xx": (0, 0, "= 0"), "router_5xx": (0, 0, "= 0"),
     "server_unanswered": (0, 0, "= 0"), "router_unanswered": (0, 0, "= 0"),
     "leaked_blocks": (0, 0, "= 0"),
-    "rss_growth_after_close_mb": (0, 50, "< 50 MB"),
+    "rss_peak_growth_mb": (0, 50, "< 50 MB"),
+    "rss_growth_after_close_mb": (0, 20, "< 20 MB"),
     "max_stall_s": (0, 0.5, "< 0.5 s"),
     "time_to_error_s": (0, 5, "< 5 s"),
     "new_request_s": (0, 1, "< 1 s"),
@@ -50,8 +51,10 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--fuzz-examples", type=int, default=25, help="schemathesis examples per /v1 route")
     p.add_argument("--fuzz-seconds", type=float, default=90, help="stop generating fuzz cases after this")
     p.add_argument("--storm-streams", type=int, default=24, help="streams per wave of the disconnect storm")
-    p.add_argument("--unread-streams", type=int, default=4, help="never-read streams")
-    p.add_argument("--unread-seconds", type=float, default=30, help="how long they stay open")
+    # one stream for long: what a stream buffers grows with the square of its tokens (issue 41: 2 streams x 5,000
+    # tokens, 425 MB), and the first ~1,600 (4 MB of events) wait in the kernel's socket buffer, not the server
+    p.add_argument("--unread-streams", type=int, default=1, help="never-read streams")
+    p.add_argument("--unread-seconds", type=float, default=120, help="how long they stay open")
     p.add_argument("--live-streams", type=int, default=4, help="streams decoding beside the big /tokenize")
     p.add_argument("--tokenize-bytes", type=int, default=(4 << 20) - 1024, help="the /tokenize body's size")
     p.add_argument("--json", metavar="FILE", default=None, help="save the figures")
