@@ -11,8 +11,8 @@ CHAPTERS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 NBVAL  := --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout 900
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab test test-vllm setup model unit claims nbval slides slides-deps browser-deps exercises execute clean gpu-check \
-	vllm vllm-env gpu-bundle gpu-course gpu-rehearsal clients serve-compare
+.PHONY: lab test test-vllm setup model unit claims nbval soak slides slides-deps browser-deps exercises execute clean \
+	gpu-check vllm vllm-env gpu-bundle gpu-course gpu-rehearsal clients serve-compare
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,11 @@ test-vllm: model vllm
 
 nbval: model
 	$(BIN)/python -m pytest -q --durations=25 $(NBVAL) $(CHAPTERS)
+
+# A server and a 1P+1D router under schema fuzzing, hang-ups, unread streams, a 4 MB /tokenize and a frozen
+# worker, on loopback, in a few minutes; fails if a figure misses issue 41's target (SOAK_ARGS: more flags).
+soak: model
+	$(BIN)/python -m labsupport bench soak $(SOAK_ARGS)
 
 # Node packages: Marp for the decks, the widget JavaScript for browser tests (no CDN).
 slides-deps:

@@ -1,8 +1,23 @@
 """LLM Serving Lab: a small, real inference engine and server, built chapter by chapter.
 
 ``from labsupport import LLM, SamplingParams`` gives the same shape as vLLM's offline API.
-"""
-from .engine.request import RequestOutput, SamplingParams
-from .llm import LLM
 
+The names are imported when first asked for (PEP 562), not with the package: processes that need no
+model (``python -m labsupport router``, the launcher of ``labsupport.procs``) then never import torch,
+which costs ~2 s and ~250 MB in each of them.
+"""
 __all__ = ["LLM", "SamplingParams", "RequestOutput"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from .llm import LLM
+        return LLM
+    if name in ("SamplingParams", "RequestOutput"):
+        from .engine import request
+        return getattr(request, name)
+    raise AttributeError(f"module 'labsupport' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

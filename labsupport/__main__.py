@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
                                   "(each with --help): ours vs transformers vs vLLM, the machine's roofline, our engine "
                                   "under the profiler, a load generator for any OpenAI-compatible server, what each "
                                   "chapter bought, speculative decoding, the engine's steps on the roofline, weight "
-                                  "quantization judged on a task set")
+                                  "quantization judged on a task set; bench soak: a server and a PD router under "
+                                  "abuse, against issue 41's targets")
     bench.add_argument("--workload", default="poisson", choices=["poisson", "long-prompts"],
                        help="poisson: seeded Poisson arrivals; long-prompts: --num-requests short requests decoding, "
                             "--num-long long prompts arriving among them (chapter 05)")

@@ -11,9 +11,15 @@ dict ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``; a dict may carry ``"
 (``labsupport.serve.result_cache``); ``generate(..., use_result_cache=False)`` bypasses it.
 ``with llm.plugged(schedule_fn=...)`` runs the engine on an exercise's piece for a while.
 ``llm.shutdown()`` returns the engine's memory at once (engines of one model share its weights).
+
+One ``generate`` at a time per ``LLM``: each call steps the engine until its own requests finish, and
+two calls from two threads would step it at once (the scheduler's state is not made for that: one
+call crashed, the other got ``finish_reason="error"``). A second concurrent call raises instead,
+pointing at ``AsyncEngine``, which serves any number of concurrent callers from one engine loop.
 """
 from __future__ import annotations
 
+import threading
 import time
 
 from tqdm.auto import tqdm
@@ -33,6 +39,7 @@ class LLM:
         self.model_name = self.engine.model_path.name
         self.result_cache = ResultCache(result_cache_size, result_cache_ttl_s) if enable_result_cache else None
         self.frontend = Frontend(self.engine, self.model_name, self.result_cache)
+        self._generating = threading.Lock()  # held by the one generate() running
 
     def tokenize(self, prompt) -> tuple[list[int], str | None]:
         """Return ``(token_ids, text)`` for any accepted prompt form."""
@@ -44,7 +51,21 @@ class LLM:
 
         Every prompt is checked before any is queued, so a bad one loses nothing. If the call
         raises or is interrupted (the notebook's stop button), the requests it added are aborted
-        and their memory freed: the next call runs only its own."""
+        and their memory freed: the next call runs only its own.
+
+        Raises RuntimeError if another thread is inside ``generate`` on this LLM (see the module's docstring)."""
+        if not self._generating.acquire(blocking=False):
+            raise RuntimeError(
+                "LLM.generate is already running in another thread on this LLM: an LLM steps its engine for one "
+                "caller at a time. For concurrent callers, serve it: labsupport.serve.async_engine.AsyncEngine "
+                "(behind create_app / `python -m labsupport serve`) batches them all in one engine loop; or give "
+                "each thread its own LLM (they share the weights)")
+        try:
+            return self._generate(prompts, sampling_params, use_tqdm, use_result_cache)
+        finally:
+            self._generating.release()
+
+    def _generate(self, prompts, sampling_params, use_tqdm, use_result_cache) -> list[RequestOutput]:
         self.engine.check_alive()
         single = isinstance(prompts, (str, dict)) or is_chat(prompts)
         prompts = [prompts] if single else list(prompts)

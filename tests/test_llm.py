@@ -35,6 +35,34 @@ def test_outputs_keep_prompt_order_and_per_prompt_params(llm):
     assert outs[0].outputs[0].text == outs[0].text  # vLLM's out.outputs[0].text works
 
 
+def test_generate_from_a_second_thread_is_a_clear_error_and_the_first_call_is_untouched(llm):
+    """Two threads in ``generate`` at once used to share the engine's steps: one raised ``KeyError``, the
+    other got ``finish_reason="error"``. Now the second is refused at once, naming the async engine."""
+    import threading
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    alone = llm.generate(["The quick brown fox"] * 4, params, use_tqdm=False)
+    first, second, started = {}, {}, threading.Event()
+
+    def run(into):
+        try:
+            started.set()
+            into["outs"] = llm.generate(["The quick brown fox"] * 4, params, use_tqdm=False)
+        except Exception as exc:  # noqa: BLE001 (the test reads it)
+            into["error"] = exc
+
+    t = threading.Thread(target=run, args=(first,))
+    t.start()
+    started.wait()
+    while not llm.stats()["num_requests_running"] and t.is_alive():  # the first call is stepping
+        pass
+    run(second)
+    t.join(120)
+    assert "error" not in first and [o.token_ids for o in first["outs"]] == [o.token_ids for o in alone]
+    assert all(o.finish_reason == "length" for o in first["outs"])
+    assert isinstance(second.get("error"), RuntimeError) and "AsyncEngine" in str(second["error"])
+    assert llm.generate("Water boils at", GREEDY, use_tqdm=False)[0].finish_reason  # the LLM serves on
+
+
 def test_fixed_seed_sampling_is_reproducible_whatever_the_batch(llm):
     sp = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=1234, ignore_eos=True)
     alone = llm.generate("Tell me a story", sp, use_tqdm=False)[0].token_ids

@@ -3,6 +3,7 @@ memory figure), ``shutdown()`` and garbage collection returning an engine's memo
 model sharing one copy of its weights. CPU only, small pools."""
 import dataclasses
 import gc
+import os
 import shutil
 import weakref
 
@@ -300,3 +301,53 @@ def test_stacked_projections_equal_the_separate_ones_and_notice_a_replaced_weigh
     assert llama.stacked_current(attn.qkv, attn.q_proj, attn.k_proj, attn.v_proj)
     attn.k_proj.weight = torch.nn.Parameter(attn.k_proj.weight.detach().clone())
     assert not llama.stacked_current(attn.qkv, attn.q_proj, attn.k_proj, attn.v_proj)
+
+
+# ---------------------------------------------------------------------------- the CPU weights file
+
+
+@pytest.fixture
+def model_copy(llm, tmp_path):
+    """The default model's folder under another name (hard links where the file system allows): a checkpoint
+    no live engine of this process holds, so loading it reads the files again."""
+    import os
+    folder = tmp_path / "smol-copy"
+    folder.mkdir()
+    for f in llm.engine.model_path.iterdir():
+        try:
+            os.link(f, folder / f.name)
+        except OSError:
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+def test_the_cpu_weights_file_is_mapped_and_an_unwritable_cache_falls_back(llm, model_copy, tmp_path, monkeypatch):
+    from labsupport.models import cpu_weights
+    assert llm.engine.model.shared_weights.mapped is not None  # the session's engine maps the shared file
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    want = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    not_a_folder = tmp_path / "a-file"  # where the cache's folder should be (unwritable even for root)
+    not_a_folder.write_text("")
+    monkeypatch.setattr(cpu_weights, "cache_file", lambda folder, key: not_a_folder / f"{key}.pt")
+    other = LLM(model=str(model_copy), device="cpu", num_blocks=16)  # cannot write the file: loads as before
+    assert other.engine.model.shared_weights.mapped is None
+    assert [o.token_ids for o in other.generate(prompts, GREEDY, use_tqdm=False)] == want
+
+
+def test_the_first_engine_writes_the_cpu_weights_file_and_maps_it_with_the_same_tokens(llm, model_copy, tmp_path,
+                                                                                       monkeypatch):
+    from labsupport.models import cpu_weights
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    want = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(cpu_weights, "cache_file", lambda folder, key: cache / f"{key}.pt")
+    other = LLM(model=str(model_copy), device="cpu", num_blocks=16)
+    assert other.engine.model.shared_weights.mapped.parent == cache  # built, saved, then mapped like every later one
+    assert [o.token_ids for o in other.generate(prompts, GREEDY, use_tqdm=False)] == want
+    if os.path.exists("/proc/self/maps"):  # the stacks and panels are the file's pages, not copies made here
+        path = str(other.engine.model.shared_weights.mapped)
+        spans = [[int(x, 16) for x in line.split()[0].split("-")] for line in open("/proc/self/maps") if path in line]
+        layer = other.engine.model.model.layers[0]
+        for t in (layer.self_attn.qkv[0], layer.mlp.gate_up, layer.mlp.gate_up_packed[0]):
+            assert any(lo <= t.data_ptr() < hi for lo, hi in spans)
+    other.shutdown()

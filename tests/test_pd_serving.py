@@ -1,9 +1,11 @@
 """1P+1D as chapter 07 runs it: two ``python -m labsupport serve --role`` processes and the router, all real,
 all on loopback. Tokens through the router equal the colocated server's; the decode worker computes one
 prompt token per request (its own ``/metrics``); killing the decode worker mid-stream gets the client an
-error within 5 s, the prefill worker frees the KV nobody pulled when its lease expires, the router's
-``/health`` says so, and a restarted worker is used again; a dead prefill worker is a fast 503."""
+error within 5 s, and so does freezing it (``kill -STOP``); the prefill worker frees the KV nobody pulled
+when its lease expires, the router's ``/health`` says so, and a restarted worker is used again; a dead
+prefill worker is a fast 503."""
 import json
+import os
 import time
 
 import httpx
@@ -86,6 +88,64 @@ def test_router_answers_equal_colocated_and_decode_computes_one_token_each(worke
     assert metrics(p.url)["labsupport:kv_transfer_bytes_sent_total"] == after["labsupport:kv_transfer_bytes_received_total"]
 
 
+def smaps(pid: int) -> dict[str, int]:
+    """``/proc/PID/smaps_rollup`` in bytes: Rss, Pss, Anonymous (memory no other process could share), ..."""
+    out = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if value.strip().endswith("kB"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="Linux's smaps_rollup")
+def test_a_worker_holds_its_kv_pool_and_little_more_of_its_own(workers):
+    """Chapter 07 runs four workers: each once held ~1.5 GB of its own (stacked and packed copies of the
+    weights besides a 512-block pool) and 2.3 GB resident. Now the weights are one file every process maps
+    (``models/cpu_weights.py``): what is a worker's own is its KV pool, torch and the server, ~0.3 GB."""
+    p, d = workers
+    for w in workers:  # some work first: a long prefill, a batch of decodes
+        body = {"model": "smol", "prompt": PROMPTS[1] * 8, "max_tokens": 8, "ignore_eos": True}
+        assert httpx.post(w.url + "/v1/completions", json=body, timeout=120).status_code == 200
+    pool = 256 * 16 * 30 * 2 * 3 * 64 * 4  # ARGS' blocks x tokens per block x the default model's KV bytes per token
+    for w in workers:
+        m = smaps(w.proc.pid)
+        own = m["Anonymous"] - pool
+        assert own < 450e6, f"{w.name}: {own / 1e6:.0f} MB of its own besides its {pool / 1e6:.0f} MB KV pool"
+        assert m["Rss"] < 1.9e9 and m["Anonymous"] < 0.7e9, {k: f"{v / 1e6:.0f} MB" for k, v in m.items()}
+
+
+def test_frozen_decode_worker_ends_streams_within_5_s_and_new_requests_get_503_at_once(workers, router):
+    """``kill -STOP`` the decode worker: its socket still accepts, nothing comes back. The stream in flight
+    ends with an SSE error within 5 s (the probe marks the worker down), a new request is a 503 at once
+    (no prefill for nothing), and once resumed the worker serves again."""
+    import os
+    import signal
+    p, d = workers
+    body = {"model": "smol", "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        seen = [next(lines) for _ in range(6)]  # the stream has begun
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        t0 = time.time()
+        try:
+            rest = [line for line in lines if line]
+            elapsed = time.time() - t0
+            assert elapsed < 5, f"the client waited {elapsed:.1f} s"
+            assert any('"error"' in line for line in rest) and rest[-1] == "data: [DONE]", (seen, rest[-3:])
+            prefilled = metrics(p.url)["labsupport:request_success_total"]
+            t0 = time.time()
+            late = httpx.post(router.url + "/v1/completions", json={**body, "stream": False}, timeout=30)
+            assert_openai_error(late.status_code, late.json(), 503)
+            assert time.time() - t0 < 0.5 and metrics(p.url)["labsupport:request_success_total"] == prefilled
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+    assert wait_for(lambda: httpx.get(router.url + "/health", timeout=5).status_code == 200, 20)
+    r = httpx.post(router.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
 def test_decode_killed_mid_stream_errors_fast_frees_prefill_blocks_and_comes_back(workers, router):
     p, d = workers
     body = {"model": "smol", "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}
@@ -100,12 +160,18 @@ def test_decode_killed_mid_stream_errors_fast_frees_prefill_blocks_and_comes_bac
     assert any('"error"' in line for line in rest) and rest[-1] == "data: [DONE]", (seen, rest[-3:])
     health = httpx.get(router.url + "/health", timeout=5)
     assert health.status_code == 503
+    prefilled = metrics(p.url)["labsupport:request_success_total"]
     t0 = time.time()
     r = httpx.post(router.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 4}, timeout=30)
     assert_openai_error(r.status_code, r.json(), 503)
     assert time.time() - t0 < 5
-    # the prefill worker held that request's KV for a pull that never came: its 2 s lease frees it
+    assert metrics(p.url)["labsupport:request_success_total"] == prefilled  # no prefill for a decode nobody runs
+    # a prefill whose decode worker died right after it (the router's first leg, sent by hand): the prefill
+    # worker holds its KV for a pull that never comes, and its 2 s lease frees it
     total = metrics(p.url)["labsupport:kv_cache_free_blocks"]
+    leg = httpx.post(p.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 1,
+                                                      "kv_transfer_params": {"do_remote_decode": True}}, timeout=30)
+    assert leg.status_code == 200 and leg.json()["kv_transfer_params"]["remote_block_ids"]
     assert wait_for(lambda: metrics(p.url)["labsupport:kv_requests_held"] == 0, 10)
     m = metrics(p.url)
     assert m["labsupport:kv_leases_expired_total"] >= 1 and m["labsupport:kv_cache_free_blocks"] >= total

@@ -385,6 +385,102 @@ def test_pd_mode_over_real_servers():
         prefill_llm.shutdown(), decode_llm.shutdown()
 
 
+# ------------------------------------------------------------------ bodies no worker would take
+
+
+@pytest.mark.parametrize("raw, where", [
+    (b'{"model": "smol", "prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+    (b'{"model": "smol", "prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt.1"),
+    (b'{"model": "\\ud800", "prompt": "hi"}', "model"),
+    (b'{"model": "smol", "messages": [{"role": "user", "content": [{"type": "text", "text": "a\\ud800"}]}]}',
+     "messages.0.content.0.text"),
+    (b'{"\\ud800": 1, "model": "smol", "prompt": "hi"}', "\\ud800"),
+    (b"[" * 100_000 + b"]" * 100_000, None),  # Python's parser: RecursionError
+    (b'{"model": "smol", "prompt": "hi", "x": ' + b"[" * 150 + b"]" * 150 + b"}", None),  # parses; too deep to send
+])
+def test_bodies_that_cannot_be_sent_on_are_clear_400s(b, raw, where):
+    with router(instances=[b.url]) as r:
+        reply = httpx.post(r.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert_openai_error(reply.status_code, reply.json(), 400)
+        message = reply.json()["error"]["message"]
+        assert ("lone surrogate" in message and message.startswith(where)) if where else \
+            "nests deeper than 100" in message, message
+        assert httpx.post(r.url + "/v1/completions", json=SHORT, timeout=60).status_code == 200  # still serving
+
+
+def test_router_bodies_over_the_limit_are_413_by_header_or_by_count(b):
+    import socket
+    with router(instances=[b.url], max_request_body_bytes=10_000) as r:
+        big = {**SHORT, "prompt": "x" * 20_000}
+        reply = httpx.post(r.url + "/v1/completions", json=big)
+        assert_openai_error(reply.status_code, reply.json(), 413)
+        assert "10000" in reply.json()["error"]["message"]
+
+        def chunked():  # no Content-Length: refused once 10 kB have been counted, not after the whole body
+            yield b'{"model": "smol", "prompt": "'
+            for _ in range(1000):
+                yield b"x" * 1000
+            yield b'"}'
+        reply = httpx.post(r.url + "/v1/chat/completions", content=chunked())
+        assert_openai_error(reply.status_code, reply.json(), 413)
+        with socket.create_connection(("127.0.0.1", r.port), timeout=5) as s:  # 200 MB announced, none sent
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 200000000\r\n\r\n")
+            assert s.recv(4096).startswith(b"HTTP/1.1 413")
+        assert httpx.post(r.url + "/v1/completions", json=SHORT, timeout=60).status_code == 200
+
+
+# ------------------------------------------------------------------ a frozen worker (SIGSTOP: accepts, never answers)
+
+
+def test_a_frozen_worker_ends_its_streams_fast_and_new_requests_get_503_at_once(a):
+    """Streams and plain requests in flight end with an error within 5 s of the freeze (the probe marks it
+    down), new ones get 503 at once; with the probe too slow to notice, ``read_timeout`` ends the stream."""
+    os.kill(a.proc.pid, signal.SIGSTOP)
+    os.kill(a.proc.pid, signal.SIGCONT)  # (a stopped-then-resumed worker is fine: the probe finds it again)
+    with router(instances=[a.url]) as r, ThreadPoolExecutor(1) as pool:
+        with httpx.stream("POST", r.url + "/v1/completions", json=LONG_STREAM, timeout=60) as s:
+            lines = s.iter_lines()
+            assert next(lines).startswith("data:")
+            plain = pool.submit(httpx.post, r.url + "/v1/completions", json={**LONG_STREAM, "stream": False},
+                                timeout=60)
+            time.sleep(0.3)
+            os.kill(a.proc.pid, signal.SIGSTOP)
+            frozen = time.time()
+            try:
+                rest = [line for line in lines if line.startswith("data:")]
+                assert time.time() - frozen < 5
+                error = json.loads(rest[-2][5:])
+                assert_openai_error(503, error)
+                assert "stopped answering" in error["error"]["message"] and rest[-1] == "data: [DONE]"
+                answer = plain.result(timeout=5)
+                assert_openai_error(answer.status_code, answer.json(), 503)
+                t0 = time.time()
+                late = httpx.post(r.url + "/v1/completions", json=SHORT, timeout=30)
+                assert_openai_error(late.status_code, late.json(), 503)
+                assert time.time() - t0 < 0.5 and "no healthy" in late.json()["error"]["message"]
+            finally:
+                os.kill(a.proc.pid, signal.SIGCONT)
+        deadline = time.time() + 10
+        while httpx.get(r.url + "/health").status_code != 200 and time.time() < deadline:
+            time.sleep(0.1)
+        assert text_of(httpx.post(r.url + "/v1/completions", json=SHORT, timeout=60))
+    with router(instances=[a.url], health_interval=3600, read_timeout=1.5) as r:  # no probe after the first
+        with httpx.stream("POST", r.url + "/v1/completions", json=LONG_STREAM, timeout=60) as s:
+            lines = s.iter_lines()
+            assert next(lines).startswith("data:")
+            os.kill(a.proc.pid, signal.SIGSTOP)
+            frozen = time.time()
+            try:
+                rest = [line for line in lines if line.startswith("data:")]
+                assert time.time() - frozen < 4
+            finally:
+                os.kill(a.proc.pid, signal.SIGCONT)
+        error = json.loads(rest[-2][5:])
+        assert_openai_error(504, error)
+        assert "sent nothing for 1.5 s" in error["error"]["message"] and rest[-1] == "data: [DONE]"
+
+
 # ------------------------------------------------------------------ faults (last: kills worker a)
 
 

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from labsupport.bench.serve_bench import RequestResult, benchmark, goodput, summarize
+from labsupport.bench.serve_bench import BenchResult, RequestResult, benchmark, goodput, summarize
 from labsupport.bench.serve_datasets import SampleRequest, arrival_gaps, arrival_times, sample_requests
 from labsupport.bench.serve_metrics import parse_metrics, server_metrics_delta
 from labsupport.serve.api import create_app
@@ -79,6 +79,50 @@ def test_python_api_with_max_concurrency(server, llm):
     for r in result.requests:
         assert r.success and r.output_tokens == 4 and r.prompt_len == IN and r.generated_text
         assert 0 < r.ttft <= r.latency and r.tpot > 0
+
+
+def test_interrupting_a_benchmark_in_a_notebook_returns_at_once_and_the_server_aborts_its_requests(server, llm):
+    """The stop button during a sweep: KeyboardInterrupt in the kernel's thread while the load runs in its
+    own. It must come back within a second (it took 5-9 s), and the requests must not run on."""
+    import signal
+    import threading
+    import time
+
+    from server_tools import wait_idle_and_free
+    requests = sample_requests(llm.tokenizer, "random", 4, IN, 400, seed=2)  # ~10 s of decoding here
+    sent = {}
+
+    def interrupt_once_running():
+        deadline = time.time() + 60
+        while not llm.stats()["num_requests_running"] and time.time() < deadline:
+            time.sleep(0.02)
+        sent["at"] = time.perf_counter()
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    async def cell():  # inside a running event loop, as a notebook cell is
+        return benchmark(server.url, llm.model_name, requests, rate=math.inf, progress=False, test_request=False)
+
+    loop = asyncio.new_event_loop()  # run_until_complete, not asyncio.run: no SIGINT handler of asyncio's
+    threading.Thread(target=interrupt_once_running, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            loop.run_until_complete(cell())
+    finally:
+        loop.close()
+    assert time.perf_counter() - sent["at"] < 1.0
+    wait_idle_and_free(llm, timeout=5)  # the server saw the hang-ups and aborted every request
+    assert llm.stats()["num_requests_running"] == 0
+
+
+def test_a_plot_after_an_interrupted_sweep_says_so_instead_of_drawing(capsys):
+    pytest.importorskip("matplotlib")
+    from labsupport.bench.serve_plots import plot_results
+    run = BenchResult({"request_rate": 1.0}, summarize([made(10, 50, 4)], 1.0), [made(10, 50, 4)])
+    assert plot_results([], title="x") is None
+    assert "incomplete: 0 of its rates ran" in capsys.readouterr().out
+    assert plot_results([run], expected=3) is None
+    assert "incomplete: 1 of 3 rates ran" in capsys.readouterr().out
+    assert plot_results([run, run, run], expected=3) is not None
 
 
 def test_a_wrong_model_is_one_clear_error_not_n_failures(server):

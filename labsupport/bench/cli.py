@@ -1,5 +1,7 @@
 """``python -m labsupport bench {compare,roofline,profile,serve,course-table,spec,roofline-lab,quant,capstone,
-structured}``: the measuring subcommands (spec to capstone are chapter 09's; structured, chapter 06's).
+structured,serve-compare,serve-profile,soak}``: the measuring subcommands (spec to capstone are chapter 09's;
+structured, chapter 06's; serve-compare and serve-profile, the served path against vLLM; soak, the served path
+under abuse).
 
 ``python -m labsupport bench --workload ...`` (flat flags, chapters 04-05) stays as it was:
 ``__main__`` sends argv here only when the word after ``bench`` is one of ``SUBCOMMANDS``, so
@@ -11,7 +13,7 @@ import argparse
 import sys
 
 SUBCOMMANDS = ("compare", "roofline", "profile", "serve", "course-table", "spec", "roofline-lab", "quant", "capstone",
-               "serve-compare", "serve-profile", "structured")
+               "serve-compare", "serve-profile", "structured", "soak")
 OWN_PARSERS = {"roofline-lab": "roofline_lab", "quant": "quant",  # chapter 09's: they parse their own flags
                "structured": "structured_bench"}  # chapter 06's: what a structured-output grammar costs a step
 
@@ -50,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     from . import serve_profile
     serve_profile.add_arguments(sub.add_parser("serve-profile", help="where our server's time goes at 64 streams "
                                                                      "(py-spy over every thread, thread vs process)"))
+    from . import soak
+    soak.add_arguments(sub.add_parser("soak", help="a server and a 1P+1D router under schema fuzzing, hang-ups, "
+                                                   "unread streams, a 4 MB /tokenize and a frozen worker, against "
+                                                   "issue 41's targets (a few minutes)"))
     return parser
 
 
@@ -74,6 +80,9 @@ def main(argv: list[str]) -> int:
             warn_if_busy()
             from .serve_compare import main as serve_compare_main
             return serve_compare_main(args)
+        if args.subcommand == "soak":  # pass/fail figures, not timings: no busy check
+            from .soak import main as soak_main
+            return soak_main(args)
         if args.subcommand == "serve":  # the server under test shares the machine: no busy check
             from .serve_cli import main as serve_main
             return serve_main(args)

@@ -30,10 +30,8 @@ class SampleRequest:
 
 def load_tokenizer(name_or_folder: str | None = None):
     """The embedded model's tokenizer (None), or that of a Hugging Face folder / hub id."""
-    from transformers import AutoTokenizer
-
-    from ..models.loader import resolve_model_path
-    return AutoTokenizer.from_pretrained(resolve_model_path(name_or_folder))
+    from ..models.loader import load_tokenizer, resolve_model_path
+    return load_tokenizer(resolve_model_path(name_or_folder))
 
 
 def _ordinary_ids(tokenizer) -> np.ndarray:

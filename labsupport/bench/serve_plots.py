@@ -21,8 +21,22 @@ def rate_label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}/s"
 
 
-def plot_results(results, path: str | None = None, title: str | None = None):
-    """A 1x3 figure of the runs (``BenchResult``s, one per rate); saved to ``path`` when given."""
+def sweep_complete(results, expected: int | None = None) -> bool:
+    """Whether a sweep has every run it was meant to have (``expected``; without it, at least one); if not,
+    print why, so that a plot cell after an interrupted sweep says so instead of drawing an empty figure."""
+    if results and (expected is None or len(results) >= expected):
+        return True
+    print(f"The sweep is incomplete: {len(results or ())} of {expected or 'its'} rates ran (was its cell "
+          "interrupted?). Re-run the sweep's cell, then this one.")
+    return False
+
+
+def plot_results(results, path: str | None = None, title: str | None = None, expected: int | None = None):
+    """A 1x3 figure of the runs (``BenchResult``s, one per rate); saved to ``path`` when given. ``expected``:
+    how many runs the sweep has when complete; an incomplete sweep draws nothing (``sweep_complete``) and
+    returns None."""
+    if not sweep_complete(results, expected):
+        return None
     import matplotlib
     if path is not None:
         matplotlib.use("Agg")  # a file from the command line needs no display

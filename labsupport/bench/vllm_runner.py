@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from .. import procs
 from .engine_runner import offline_figures
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -53,7 +54,7 @@ def run(folder, workloads: dict, warmup: list[list[int]], python=None, timeout_s
     log(f"  vllm {','.join(workloads)} in a subprocess ({python}); start-up takes ~35 s, log: {log_path}")
     try:
         with open(log_path, "w") as out:
-            done = subprocess.run([str(python), str(WORKER), str(work / "spec.json"), str(work / "result.json")],
+            done = procs.run([str(python), str(WORKER), str(work / "spec.json"), str(work / "result.json")],
                                   stdout=out, stderr=subprocess.STDOUT, env=cpu_env(), timeout=timeout_s, cwd=work)
     except subprocess.TimeoutExpired:
         return {"skipped": f"vLLM did not finish within {timeout_s:.0f} s (log: {log_path})"}

@@ -13,6 +13,7 @@ With ``"mode": "greedy"`` in the spec (``side_by_side/offline.py``) it instead r
 token ids of each prompt, for a token-by-token comparison with our engine.
 """
 import json
+import signal
 import sys
 import time
 
@@ -76,4 +77,7 @@ def main(spec_path, result_path):
 
 
 if __name__ == "__main__":
+    # SIGTERM (the lab's launcher sends it when the notebook that started us dies, ``labsupport.procs``) must
+    # unwind like an exception, so that vLLM's exit handlers stop the engine core it spawned
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     main(sys.argv[1], sys.argv[2])

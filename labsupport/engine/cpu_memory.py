@@ -44,3 +44,16 @@ def keep_freed_memory() -> bool:
             except (OSError, AttributeError):
                 pass
     return _applied
+
+
+def release_freed_memory() -> bool:
+    """Hand the pages of freed memory back to the system now (glibc's ``malloc_trim``), wherever they lie in the
+    heap: after a one-off allocation far larger than a step's (``models/cpu_weights.py`` builds a model once
+    and drops it), the settings above would keep up to ``TRIM_THRESHOLD_BYTES`` of it. True if it ran."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False

@@ -228,6 +228,8 @@ class LLMEngine(PlugPoints):
             self.model = self.runner.model = self.runner.graphs = self.runner.cpu_layers = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+            else:  # the pool's pages back to the system now, not kept by malloc for a pool that never returns
+                cpu_memory.release_freed_memory()
 
     def check_alive(self):
         if self.is_shut_down:

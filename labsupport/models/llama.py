@@ -85,7 +85,9 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     extrapolation per dimension and rescales attention, "linear" divides all positions.
     """
     dim, base = cfg.head_dim, cfg.rope_theta
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    # on the CPU whatever the default device: a model is built on "meta", where this arithmetic would import
+    # torch's compiler (~900 modules, ~50 MB a process) for numbers nobody reads (load_model sets its own)
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     s = cfg.rope_scaling
     kind = s.get("rope_type", s.get("type", "default"))
     scaling = 1.0
@@ -244,7 +246,9 @@ def fuse_projections(model: nn.Module):
 def _stack(*linears: nn.Linear):
     """One matrix (and bias) of several ``nn.Linear``s, which become views of it."""
     weights = [m.weight for m in linears]
-    base = getattr(weights[0], "_stacked", None)  # the shared copy already stacked (another engine)
+    # the shared copy already stacked: by another engine, or in the CPU's weights file (models/cpu_weights.py:
+    # torch.save keeps a Parameter's attributes, so the views come back with their mark)
+    base = getattr(weights[0], "_stacked", None)
     if base is None or any(getattr(w, "_stacked", None) is not base for w in weights):
         base = (torch.cat([w.detach() for w in weights]),
                 torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None)
@@ -275,7 +279,10 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # made with an empty weight, not a random one: the model is built on "meta" and filled from the checkpoint
+        # (or by random_model), and Embedding's random init on meta imports torch's compiler: ~900 modules, ~50 MB
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

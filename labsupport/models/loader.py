@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from . import cpu_weights
 from .llama import LlamaForCausalLM, ModelConfig, fuse_projections, rope_frequencies
 from .products import pack_cpu_weights
 
@@ -134,34 +135,50 @@ class SharedWeights(dict):
     """A checkpoint's tensors on one device in one dtype, loaded once per process and shared, read-only,
     by every model ``load_model`` builds from them. Each model keeps it alive (``model.shared_weights``);
     when the last one is gone, so are the tensors, and so is the entry of ``_WEIGHTS``. ``packed``
-    holds the CPU's packed copies of the matrices (``products.pack_cpu_weights``)."""
+    holds the CPU's packed copies of the matrices (``products.pack_cpu_weights``); ``mapped``: the file
+    they are mapped from (``cpu_weights``), or None."""
 
     def __init__(self):
         super().__init__()
         self.packed: dict = {}
+        self.mapped: Path | None = None
 
 
 _WEIGHTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (folder, device, dtype, files) -> weights
 
 
-def shared_weights(folder: Path, device: torch.device, dtype: torch.dtype, tied: bool) -> SharedWeights:
-    """The weights of ``folder`` on ``device`` in ``dtype``: the ones another live model uses, else loaded now.
+def checkpoint_stamp(folder: Path) -> tuple:
+    """Names, sizes and times of a checkpoint's files: a rewritten checkpoint gets a new stamp."""
+    return tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                 for p in sorted(folder.glob("*.safetensors")) + [folder / "config.json"])
+
+
+def shared_weights(folder: Path, device: torch.device, dtype: torch.dtype, tied: bool,
+                   mapped: bool = False) -> SharedWeights:
+    """The weights of ``folder`` on ``device`` in ``dtype``: the ones another live model uses, else loaded now
+    (``mapped``: from the CPU's weights file when it exists, ``cpu_weights``).
 
     Engines never write their weights, so two engines of one model in one kernel (every chapter
     has several) need one copy, not one each. A rewritten checkpoint (new size or mtime) loads anew."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns)
-                  for p in sorted(folder.glob("*.safetensors")) + [folder / "config.json"])
+    stamp = checkpoint_stamp(folder)
     key = (str(folder.resolve()), str(device), dtype, tied, stamp)
     weights = _WEIGHTS.get(key)
     if weights is None:
-        state = load_weights(folder)
-        if tied:
-            state.pop("lm_head.weight", None)
         weights = SharedWeights()
-        for name in list(state):  # one tensor at a time: a converted copy never doubles the whole model
-            weights[name] = state.pop(name).to(device=device, dtype=dtype)
+        path = cpu_weights.cache_file(folder, cpu_weights.cache_key(folder, stamp, tied)) if mapped else None
+        saved = cpu_weights.load(path) if mapped else None
+        if saved is not None:
+            weights.update(saved[0])
+            weights.packed.update(saved[1])
+            weights.mapped = path
+        else:
+            state = load_weights(folder)
+            if tied:
+                state.pop("lm_head.weight", None)
+            for name in list(state):  # one tensor at a time: a converted copy never doubles the whole model
+                weights[name] = state.pop(name).to(device=device, dtype=dtype)
         _WEIGHTS[key] = weights
     return weights
 
@@ -198,9 +215,38 @@ def load_model(model=None, device="auto", dtype="auto"):
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    mapped = cpu_weights.enabled(device, dtype, folder) and cpu_weights.ensure(
+        folder, checkpoint_stamp(folder), cfg.tie_word_embeddings, lambda: _assemble(folder, cfg, device, dtype, False))
+    net = _assemble(folder, cfg, device, dtype, mapped)
+    return net.eval(), load_tokenizer(folder), folder
+
+
+def load_tokenizer(folder):
+    """The folder's tokenizer, as ``AutoTokenizer`` makes it; ``folder`` may also be what ``load_model``
+    takes (a name, or ``random:...``), for a process that needs text but no weights (the server's
+    frontend when the engine runs in a process of its own). Where the folder names the tokenizers-library
+    class itself (``"tokenizer_class": "TokenizersBackend"``, as the default model does), that class is used
+    directly: ``AutoTokenizer`` would pick the same class, after importing its registry of every model's
+    processors (1,044 modules, about 90 MB in each process; chapter 07 has five such processes)."""
+    if str(folder).startswith("random:"):
+        return ByteTokenizer()
+    folder = resolve_model_path(folder)
+    try:
+        named = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        named = None
+    if named in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def _assemble(folder: Path, cfg: "ModelConfig", device: torch.device, dtype: torch.dtype, mapped: bool):
+    """The model of ``folder`` on the shared weights, stacked and (on the CPU) packed."""
     with torch.device("meta"):
         net = LlamaForCausalLM(cfg)
-    state = shared_weights(folder, device, dtype, cfg.tie_word_embeddings)
+    state = shared_weights(folder, device, dtype, cfg.tie_word_embeddings, mapped)
     net.shared_weights = state  # keeps the shared copy (and its cache entry) alive while this model lives
     missing, unexpected = net.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
@@ -215,16 +261,7 @@ def load_model(model=None, device="auto", dtype="auto"):
     state.update((k, v) for k, v in net.state_dict(keep_vars=True).items() if k in state)
     if device.type == "cpu":  # packed copies (panels or oneDNN's), made once and kept with the shared weights
         pack_cpu_weights(net, state.packed)
-    return net.eval(), load_tokenizer(folder), folder
-
-
-def load_tokenizer(model):
-    """The tokenizer alone, for a process that needs text but no weights (the server's frontend when the
-    engine runs in a process of its own). ``model`` as ``load_model`` takes it, or the resolved folder."""
-    if str(model).startswith("random:"):
-        return ByteTokenizer()
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(resolve_model_path(model))
+    return net
 
 
 # ------------------------------------------------------------------ random weights: timing without a checkpoint

@@ -7,6 +7,9 @@ notebook's kernel: a killed worker must really be gone, and its cores must reall
 On a 2-core machine ``cpus`` pins each worker to one core (``--cpu-affinity``; torch then uses
 one thread), so prefill and decode cannot slow each other down by sharing cores, only by what
 they share on purpose: the KV transfer. A colocated server for comparison gets both cores.
+
+Every process is started by ``procs.popen``: it ends when the notebook's kernel does, restarted, killed
+or exited (a worker left behind holds its port and about a gigabyte).
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ import tempfile
 import time
 
 import httpx
+
+from .. import procs
 
 
 def free_port() -> int:
@@ -59,8 +64,8 @@ class Worker:
         if self.alive:
             return self
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.environment(),
-                                         start_new_session=True)
+            self.proc = procs.popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.environment(),
+                                    start_new_session=True)
         if wait:
             self.wait_healthy(timeout)
         return self

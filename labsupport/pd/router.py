@@ -16,10 +16,14 @@
 
 Workers fail. A background task probes every worker's ``/health``; one that fails a probe or a
 request is skipped until ``/health`` answers 200 again (a restarted worker comes back by
-itself). A request whose worker dies under it gets OpenAI's 503 JSON or, once its stream has
-started, an SSE ``error`` event and ``[DONE]``: the client learns at once instead of waiting on a
-stream that will never end. A refused connection is retried on another worker (the request
-never reached the first). A client hanging up closes the upstream request, so the worker aborts
+itself), and while no worker of a role is up, new requests get 503 at once. A request whose
+worker dies under it gets OpenAI's 503 JSON or, once its stream has started, an SSE ``error``
+event and ``[DONE]``: the client learns at once instead of waiting on a stream that will never
+end. A worker that hangs instead of dying (frozen: its socket still accepts, nothing comes back)
+is caught by the probe too: every request in flight on it ends the same way as soon as it fails
+a probe (about two seconds with the defaults), and a stream that sends nothing for
+``--read-timeout`` seconds ends with a 504 event whatever the probe says. A refused connection
+is retried on another worker (the request never reached the first). A client hanging up closes the upstream request, so the worker aborts
 it and frees its blocks. ``x-pd-route`` on every answer says where the request went. On SIGTERM
 the router does what a worker does: new requests get 503, and those in flight end at once with
 503 JSON or, mid-stream, an SSE ``error`` event and ``[DONE]`` (their workers abort them).
@@ -43,6 +47,7 @@ from .routing import Policy, Workers
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 2.0  # a worker that does not accept within this is down: fail over, do not hang
 PROBE_TIMEOUT_S = 1.0
+READ_TIMEOUT_S = 60.0  # a stream silent this long between events ends (a long prefill elsewhere can stall it ~30 s)
 # what vLLM's proxy sends the prefill worker: "compute the prompt, keep its KV for a remote decode"
 PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                      "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -51,10 +56,11 @@ KV_PARAMS = ("required", "optional")  # may a prefill answer come without kv_tra
 
 
 class Upstream:
-    """One open request on a worker; ``close()`` (idempotent) ends it there and in the policy's count."""
+    """One open request on a worker; ``close()`` (idempotent) ends it there and in the policy's count.
+    ``down`` is set when the worker is found down while the request is open."""
 
-    def __init__(self, url: str, response: httpx.Response, policy: Policy):
-        self.url, self.response, self.policy, self.closed = url, response, policy, False
+    def __init__(self, url: str, response: httpx.Response, policy: Policy, down: asyncio.Event | None = None):
+        self.url, self.response, self.policy, self.closed, self.down = url, response, policy, False, down
         self.content, self.kv = b"", None  # a prefill's answer, read whole, and its kv_transfer_params
 
     async def close(self):
@@ -68,13 +74,15 @@ class Router:
     """The state behind the app: the workers (``routing.Workers``), one HTTP client, the metrics."""
 
     def __init__(self, prefill=(), decode=(), instances=(), policy="round_robin", health_interval=1.0,
-                 request_timeout=600.0, prefix_chars=256, max_imbalance=4, kv_params="required"):
+                 request_timeout=600.0, prefix_chars=256, max_imbalance=4, kv_params="required",
+                 read_timeout=READ_TIMEOUT_S):
         if kv_params not in KV_PARAMS:
             raise ValueError(f"kv_params must be one of {KV_PARAMS}, not {kv_params!r}")
         self.kv_params = kv_params
         self.workers = Workers(prefill, decode, instances, policy, prefix_chars, max_imbalance)
         self.pd = "prefill" in self.workers.pools
-        self.health_interval, self.request_timeout = health_interval, request_timeout
+        self.health_interval, self.request_timeout, self.read_timeout = health_interval, request_timeout, read_timeout
+        self.down: dict[str, asyncio.Event] = {}  # per worker: set when it goes down, fresh when it is back
         self.client, self.health_task, self.stopping = None, None, False
         self.loop, self.stopped = None, None  # the event loop, and the Event that ends requests in flight
         self.registry = r = CollectorRegistry()  # one per router: several in one process do not clash
@@ -93,6 +101,7 @@ class Router:
 
     async def start(self):
         self.loop, self.stopped = asyncio.get_running_loop(), asyncio.Event()
+        self.down = {url: asyncio.Event() for url in self.workers.by_url}
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.request_timeout, connect=CONNECT_TIMEOUT_S),
                                         limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512))
         await self.probe_all()
@@ -113,24 +122,51 @@ class Router:
 
     async def unless_stopping(self, awaitable):
         """``await awaitable``, unless the router stops first: then it is cancelled and a 503 raised."""
+        return await self.until(awaitable)
+
+    async def until(self, awaitable, url: str | None = None, down: asyncio.Event | None = None,
+                    timeout: float | None = None):
+        """``await awaitable`` (work on worker ``url``), unless first the router stops (503), ``down`` is set:
+        the worker failed a probe or another request (503), or ``timeout`` seconds pass (504). Then the work
+        is cancelled, and has unwound (closed its socket), before the error is raised."""
         if self.stopped is None:
             return await awaitable
-        work, stop = asyncio.ensure_future(awaitable), asyncio.ensure_future(self.stopped.wait())
+        work = asyncio.ensure_future(awaitable)
+        stops = {asyncio.ensure_future(self.stopped.wait()): APIError(503, "the router is shutting down", UNAVAILABLE)}
+        if down is not None:
+            stops[asyncio.ensure_future(down.wait())] = APIError(
+                503, f"worker {url} stopped answering (it failed a health probe): the request was cut", UNAVAILABLE)
         try:
-            await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({work, *stops}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            stop.cancel()
+            for stop in stops:
+                stop.cancel()
             if not work.done():
                 work.cancel()
                 with anyio.CancelScope(shield=True):  # let it unwind (close its socket) before we go on
                     await asyncio.wait({work})
-        if work.cancelled():
-            raise APIError(503, "the router is shutting down", UNAVAILABLE)
-        return work.result()
+        if not work.cancelled():
+            return work.result()
+        if url is not None:
+            self.errors.labels(url).inc()
+        for stop, err in stops.items():
+            if stop.done() and not stop.cancelled():
+                raise err
+        if timeout is None:  # cancelled from inside: nothing of ours to say
+            raise asyncio.CancelledError()
+        raise APIError(504, f"worker {url} sent nothing for {timeout:g} s (the router's --read-timeout)", "timeout")
 
     async def probe_all(self):
         for url in await self.workers.probe_all(self.client, PROBE_TIMEOUT_S):
             self.errors.labels(url).inc()
+            self.went_down(url)
+
+    def went_down(self, url: str):
+        """Every request in flight on ``url`` ends now, with a 503 (``until``): the probe found it down. (A request
+        that fails alone does not do this: one broken connection does not make a worker dead, and a dead
+        worker's other connections break by themselves.)"""
+        if url in self.down:
+            self.down[url].set()
 
     async def health_loop(self):
         while True:
@@ -143,7 +179,7 @@ class Router:
         if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
             return APIError(504, f"worker {url} did not answer within {self.request_timeout:g} s", "timeout")
         message = f"worker {url} failed: {type(exc).__name__}: {exc}".rstrip(": ")
-        self.workers.set_healthy(url, False, message)
+        self.workers.set_healthy(url, False, message)  # skipped; its other requests end only if the probe agrees
         return APIError(503, message, UNAVAILABLE)
 
     def status(self) -> str | None:
@@ -165,9 +201,12 @@ class Router:
             if not candidates:
                 raise APIError(503, f"no healthy {role} worker (of {len(urls)})", UNAVAILABLE)
             url = route[role] = policy.choose(candidates, body)
+            down = self.down.get(url)
+            if down is not None and down.is_set():  # it fell and is back (it is a candidate): a fresh start
+                down = self.down[url] = asyncio.Event()
             try:
                 request = self.client.build_request("POST", url + path, json=body, headers=headers)
-                return Upstream(url, await self.client.send(request, stream=True), policy)
+                return Upstream(url, await self.until(self.client.send(request, stream=True), url, down), policy, down)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never reached it: another may take it
                 policy.done(url)
                 self.upstream_error(url, exc)
@@ -181,7 +220,7 @@ class Router:
 
     async def read(self, up: Upstream) -> bytes:
         try:
-            return await up.response.aread()
+            return await self.until(up.response.aread(), up.url, up.down)
         except httpx.HTTPError as exc:
             raise self.upstream_error(up.url, exc) from exc
         finally:
@@ -190,6 +229,8 @@ class Router:
     async def handle(self, path: str, body: dict, headers: dict) -> Response:
         route = {}  # role -> worker, for x-pd-route
         try:
+            if why := self.status():  # a role with no worker up: say so now, not after a prefill for nothing
+                raise APIError(503, why, UNAVAILABLE)
             if self.pd:
                 up = await self.prefill(path, body, headers, route)
                 if up.response.status_code != 200:  # the prefill worker's own error, passed through
@@ -233,7 +274,7 @@ class Router:
         never hands the client half an event; a break becomes an ``error`` event and ``[DONE]``."""
         pending, chunks = b"", up.response.aiter_bytes()
         try:
-            while (chunk := await self.unless_stopping(anext(chunks, None))) is not None:
+            while (chunk := await self.until(anext(chunks, None), up.url, up.down, self.read_timeout)) is not None:
                 pending += chunk
                 if cut := events_end(pending):
                     yield pending[:cut]

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from .. import procs
 from ..engine.detokenizer import IncrementalDetokenizer, catch_up, streamable
 from ..engine.limits import EngineLimits
 from ..engine.request import RequestMetrics, RequestOutput
@@ -103,7 +104,7 @@ class EngineCoreClient:
         spec = CoreSpec(dict(engine_options), served_model_name, inp, out, os.getpid(), metrics)
         self.process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, args=(spec,), name="labsupport-engine-core", daemon=True)
-        self.process.start()
+        procs.from_long_lived_thread(self.process.start)  # Linux's death signal follows the forking thread
         try:
             ready = self._wait_ready()
         except BaseException:

@@ -18,7 +18,6 @@ ignores it and lets the frontend, which answers the clients, decide how to stop.
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import os
@@ -31,11 +30,11 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from ..procs import die_with_parent
 from .async_engine import step_record, timeline
 from .messages import Answer, Call, CoreInput, CoreOutputs, Failed, FinishRequest, Ready, RequestDelta
 
 log = logging.getLogger(__name__)
-PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -50,27 +49,9 @@ class CoreSpec:
     metrics: bool = True
 
 
-def die_with_parent(parent_pid: int):
-    """End this process when ``parent_pid`` ends: the kernel's parent-death signal where there is one
-    (Linux), and a watcher thread for the case it misses (the parent died before we asked)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass  # not Linux: the watcher alone
-
-    def watch():
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os._exit(0)
-
-    if os.getppid() != parent_pid:
-        os._exit(0)
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
 def run_engine_core(spec: CoreSpec):
     """The core process's main function (``multiprocessing`` spawns it)."""
-    die_with_parent(spec.parent_pid)
+    die_with_parent(spec.parent_pid)  # a kernel restart or kill -9 of the server takes the core with it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     import torch

@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import procs
 from ..bench.serve_bench import COMPLETIONS, benchmark
 from ..bench.serve_datasets import load_tokenizer, sample_requests
 from ..pd.cluster import stop_all
@@ -85,7 +85,7 @@ def run_vllm_bench(url: str, load: BenchLoad, tokenizer_folder, model: str = "sm
                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
                "--goodput", *goodput, "--disable-tqdm", "--save-result", "--result-dir", work,
                "--result-filename", "result.json"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=client_env(), cwd=work)
+        proc = procs.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=client_env(), cwd=work)
         saved = Path(work) / "result.json"
         if proc.returncode != 0 or not saved.exists():
             raise RuntimeError(f"vllm bench serve failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")

@@ -27,12 +27,12 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
 import httpx
 
+from .. import procs
 from ..pd.cluster import Router, start_all, stop_all
 from .servers import VllmServer, vllm_bin, vllm_status
 
@@ -203,7 +203,7 @@ def check_recipe(lines: list[str], timeout: float = 120.0) -> list[dict]:
         raise RuntimeError(why)
     serve_lines = [line for line in lines if " vllm serve " in f" {line} "]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the lab's packages must not shadow vLLM's
-    done = subprocess.run([str(vllm_bin("python")), "-c", _PARSE_RECIPE, json.dumps(serve_lines)], capture_output=True,
+    done = procs.run([str(vllm_bin("python")), "-c", _PARSE_RECIPE, json.dumps(serve_lines)], capture_output=True,
                           text=True, timeout=timeout, env={**env, "VLLM_TARGET_DEVICE": "cpu"})
     result = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not result:

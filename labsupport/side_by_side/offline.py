@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from .. import procs
 from ..bench.vllm_runner import WORKER, cpu_env, default_python
 from ..pd.cluster import _cpu_list
 from .servers import vllm_status
@@ -51,7 +52,7 @@ def greedy_tokens(folder, prompts: list[list[int]], max_tokens: int, ignore_eos:
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process, not three: ~20 s less start-up
     try:
         with open(log_path, "w") as out:
-            done = subprocess.run([str(default_python()), str(WORKER), str(work / "spec.json"),
+            done = procs.run([str(default_python()), str(WORKER), str(work / "spec.json"),
                                    str(work / "result.json")], stdout=out, stderr=subprocess.STDOUT, env=env,
                                   timeout=timeout_s, cwd=work)
     except subprocess.TimeoutExpired:
