@@ -82,7 +82,12 @@ def engine_options_of(monkeypatch, args: list[str]) -> dict:
         seen.update(kwargs)
         raise _Captured
 
+    def fake_core(options, args):  # the default: the engine core in its own process
+        seen.update(options, enable_result_cache=args.enable_result_cache)
+        raise _Captured
+
     monkeypatch.setattr(labsupport, "LLM", fake_llm)
+    monkeypatch.setattr("labsupport.serve.server.start_engine_core", fake_core)
     with pytest.raises(_Captured):
         main(["serve", *args])
     return seen
