@@ -6,7 +6,8 @@ way, so the course ends with one honest number per chapter. Each row is a *serve
 driven over HTTP by ``bench serve``'s client (``serve_bench.benchmark``), one row at a time:
 
 * the same chat workload (a shared help-desk system prompt, each user's own question, mixed output
-  lengths forced with ``ignore_eos``), the same KV memory budget and ``max_num_seqs`` for all our rows;
+  lengths forced with ``ignore_eos``), the same KV memory budget and ``max_num_seqs`` for every one of our
+  servers (row 07 runs two, a prefill and a decode worker, each with both: twice the KV in all);
 * **capacity**: every request at once -> output tokens/s, and what a million of them cost at one
   stated $/hour (a price for the machine, not for a row: faster rows are cheaper per token);
 * **bursty load**: gamma arrivals of shape 0.5 (burstier than Poisson) at one fixed rate -> SLO
