@@ -29,7 +29,7 @@ LOAD = VllmBenchLoad("burst", 64, 256, 64)
 # (bucket, substrings of a frame that put a sample in it), checked in this order: the innermost cause first
 BUCKETS = [
     ("idle", ("epoll", "select (selectors", "_worker (concurrent", "wait (threading", "poll (zmq", "Event.wait",
-              "sleep", "_run_once (asyncio/base_events.py")),
+              "sleep", "_run_once (asyncio/base_events.py", "watch (labsupport/procs.py")),
     ("tokenize", ("tokenization_utils", "tokenize (labsupport/frontend", "chat_tokens", "apply_chat_template")),
     ("detokenize", ("detokenizer.py", "TokenText", "convert_ids_to_tokens", "decode (transformers")),
     ("sample", ("sampler.py",)),
@@ -73,10 +73,26 @@ def sample(pid: int, seconds: float, gil: bool) -> dict[str, Counter]:
         processes = [p for p in parts if p.startswith("process ")]
         thread = next((i for i, p in enumerate(parts) if p.startswith("thread (")), len(parts) - 1)
         name = parts[thread].partition(": ")[2]
+        if processes and "resource_tracker" in processes[-1]:
+            continue  # multiprocessing's helper process: it only waits
         process = "core" if processes and "spawn_main" in processes[-1] else "api"
         threads[f"{process}:{name}"][bucket(";".join(parts[thread + 1:]))] += int(count)
     out.unlink(missing_ok=True)
     return threads
+
+
+def wait_for_load(url: str, done: threading.Event, timeout: float = 180.0):
+    """Return once the server runs requests (its ``/metrics`` gauge), or the load ended, or ``timeout``."""
+    import httpx
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not done.is_set():
+        try:
+            for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+                if line.startswith("labsupport:num_requests_running") and float(line.rsplit(" ", 1)[1]) > 0:
+                    return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.2)
 
 
 def profile(engine: str, folder: str, seconds: float = 20.0, log=print) -> dict:
@@ -92,7 +108,7 @@ def profile(engine: str, folder: str, seconds: float = 20.0, log=print) -> dict:
             finally:
                 done.set()
         threading.Thread(target=load, daemon=True).start()
-        time.sleep(3)  # the requests are in: prefills, then 64 decoding streams
+        wait_for_load(server.url, done)  # `vllm bench serve` itself takes seconds to start: sample the load, not that
         everything = sample(server.proc.pid, seconds, gil=False)
         holders = sample(server.proc.pid, min(seconds, 10), gil=True) if not done.is_set() else {}
         done.wait(900)
@@ -105,14 +121,14 @@ def profile(engine: str, folder: str, seconds: float = 20.0, log=print) -> dict:
 
 
 def shares(counts: dict[str, dict[str, int]]) -> dict[str, dict[str, float]]:
-    total = sum(sum(c.values()) for c in counts.values()) or 1
-    return {t: {b: 100 * n / total for b, n in c.items()} for t, c in counts.items()}
+    """Each thread's samples as % of that thread's own: where it spends its time."""
+    return {t: {b: 100 * n / (sum(c.values()) or 1) for b, n in c.items()} for t, c in counts.items()}
 
 
 def format_profile(report: dict) -> str:
     lines = []
     for engine, data in report["results"].items():
-        lines.append(f"### {engine} (all threads' samples, % of the total; GIL holders in brackets)")
+        lines.append(f"### {engine} (% of each thread's samples; in brackets, % of the samples where it held the GIL)")
         everything, holders = shares(data["samples"]), shares(data["gil_holders"])
         names = [b for b, _ in BUCKETS] + ["other Python"]
         threads = sorted(everything, key=lambda t: -sum(everything[t].values()))[:4]
