@@ -13,6 +13,7 @@ pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ve
 
 PROBE = """
 import resource, sys, torch
+import labsupport.llm  # an engine process's imports (transformers, ...): the heap an engine's steps meet
 from labsupport.engine import cpu_memory
 applied = cpu_memory.keep_freed_memory() if sys.argv[1] == "keep" else False
 torch.empty(16 << 20).fill_(1)  # 64 MB, the size of a prefill step's gate/up product

@@ -113,7 +113,7 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
         high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
         if low == high:
             high += 0.001
-        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0, 1)
         extrapolation = 1 - ramp
         inv_freq = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
         scaling = s.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
