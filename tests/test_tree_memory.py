@@ -10,7 +10,9 @@ HOLD = "import sys, time; b = bytearray({n}); b[::4096] = b'x' * len(b[::4096]);
 
 def test_the_peak_counts_children_and_a_shared_page_once(tmp_path):
     before, _, each = tree_memory()
-    assert [name for name, _ in each] == ["this process"]
+    assert [name for name, _ in each][0] == "this process"
+    already = len(each) - 1  # children an earlier test of this worker left, e.g. multiprocessing's resource tracker
+    pythons = sum(name == "python" for name, _ in each) + 2
     memory = TreeMemory(interval_s=0.1).start()
     kids = [subprocess.Popen([sys.executable, "-c", HOLD.format(n=200 << 20)], stdout=subprocess.PIPE, text=True)
             for _ in range(2)]
@@ -18,12 +20,12 @@ def test_the_peak_counts_children_and_a_shared_page_once(tmp_path):
         assert all(k.stdout.readline().strip() == "ready" for k in kids)
         time.sleep(0.5)
         memory.stop()
-        assert memory.peak_processes == 3
+        assert memory.peak_processes == 3 + already
         assert memory.peak - before > 2 * (200 << 20)  # both children's private 200 MB
         if memory.has_pss:  # two Pythons: their shared libraries are in each RSS, once in the PSS sum
             assert memory.peak_rss > memory.peak
-        assert "peak memory of this kernel and its 2 child processes" in memory.report()
-        assert "2 x python" in memory.report()
+        assert f"peak memory of this kernel and its {2 + already} child processes" in memory.report()
+        assert f"{pythons} x python" in memory.report()
     finally:
         for k in kids:
             k.kill()
