@@ -106,35 +106,65 @@ def pip_target_flags(python_version: str) -> list[str]:
     return flags
 
 
+# The GPU machine's interpreter, for dependency markers (``python_version < "3.12"`` and the like).
+DEVICE_MARKERS = {"python_version": DEVICE_PYTHON, "python_full_version": DEVICE_PYTHON + ".0",
+                  "implementation_name": "cpython", "platform_python_implementation": "CPython",
+                  "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
+                  "os_name": "posix"}
+
+
 def resolve(python, work: Path) -> list[dict]:
-    """The distributions the course needs on the GPU machine that its image may lack: the requirements it lacks,
-    resolved by pip for its Python and platform with everything they need, the versions the image is known to
-    have pinned: [{name, version, file}]. (Requirements the image meets are not resolved: accelerate's would
-    bring in torch and its CUDA libraries, which are there.)"""
+    """The distributions the course needs on the GPU machine that its image may lack: the requirements it lacks
+    and everything they need, at the versions this side's ``.venv`` has installed (the ones CI tests), read
+    from their metadata: [{name, version}]. (Requirements the image meets are not followed: accelerate's would
+    bring in torch and its CUDA libraries, which are there.)
+
+    Why not pip's resolver (``pip install --dry-run --report``): with unpinned Jupyter packages against a
+    package index it backtracked for minutes and, on an index without the CUDA wheels torch names, gave up
+    with ``resolution-too-deep``. Walking what is installed is exact, takes a second, and bundles the
+    versions that were tested; ``pip download`` then fails loudly if one has no wheel for the GPU machine."""
+    from importlib import metadata
+    from packaging.markers import default_environment
     from packaging.requirements import Requirement  # the CPU side's venv has it
 
+    del python, work  # kept for the caller's signature: nothing is run
+    env = {**default_environment(), **DEVICE_MARKERS}
     image = image_packages()
-    wanted, clashes = [], []
-    for line in lab_dependencies() + RUNTIME:
-        req = Requirement(line)
-        have = image.get(canonical(req.name), "absent")
-        if have == "absent":
-            wanted.append(line)  # resolved below, with what it needs
-        elif have and not req.specifier.contains(have, prereleases=True):
-            clashes.append(f"{line} (the GPU image has {have})")
+    found, clashes, absent = {}, [], []
+    queue = [(Requirement(line), "the lab") for line in lab_dependencies() + RUNTIME]
+    done = set()
+    while queue:
+        req, wanted_by = queue.pop()
+        name = canonical(req.name)
+        key = (name, frozenset(req.extras))
+        if key in done:
+            continue
+        done.add(key)
+        have = image.get(name, "absent")
+        if have != "absent":  # the image has it (and what it needs)
+            if have and not req.specifier.contains(have, prereleases=True):
+                clashes.append(f"{req} for {wanted_by} (the GPU image has {have})")
+            continue
+        try:
+            dist = metadata.distribution(req.name)
+        except metadata.PackageNotFoundError:
+            absent.append(f"{req} (for {wanted_by})")
+            continue
+        version = dist.version
+        if not req.specifier.contains(version, prereleases=True):
+            clashes.append(f"{req} for {wanted_by} (this side has {version})")
+        found[name] = {"name": dist.metadata["Name"], "version": version}
+        for line in dist.requires or []:
+            sub = Requirement(line)
+            extras = [""] + sorted(req.extras)
+            if sub.marker is None or any(sub.marker.evaluate({**env, "extra": e}) for e in extras):
+                queue.append((sub, f"{dist.metadata['Name']} {version}"))
     if clashes:  # its own versions stay first on its path: a clash is not solved by a wheel
         raise SystemExit("the GPU image's packages do not meet the lab's requirements: " + "; ".join(clashes))
-    constraints = work / "image-constraints.txt"  # what the image is known to have, as it has it
-    constraints.write_text("".join(f"{n}=={v}\n" for n, v in sorted(image.items()) if v))
-    report = work / "resolution.json"
-    run([python, "-m", "pip", "install", "--quiet", "--dry-run", "--ignore-installed", "--report", report,
-         "--target", work / "unused", *pip_target_flags(DEVICE_PYTHON), "-c", constraints, *wanted])
-    rows = []
-    for item in json.loads(report.read_text())["install"]:
-        meta = item["metadata"]
-        rows.append({"name": meta["name"], "version": meta["version"],
-                     "file": item["download_info"]["url"].rsplit("/", 1)[1]})
-    return sorted(rows, key=lambda r: canonical(r["name"]))
+    if absent:
+        raise SystemExit("needed on the GPU machine but not installed here, so not known to be tested: "
+                         + "; ".join(absent) + " (install them into .venv, then build again)")
+    return sorted(found.values(), key=lambda r: canonical(r["name"]))
 
 
 def build(out: Path, calls: int, python=sys.executable) -> dict:
@@ -143,11 +173,8 @@ def build(out: Path, calls: int, python=sys.executable) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     (work / "bundle" / "wheels").mkdir(parents=True)
     (work / "bundle" / "model").mkdir()
-    image = image_packages()
-    needed = resolve(python, work)
-    missing = [r for r in needed if canonical(r["name"]) not in image]
-    print(f"{len(needed)} distributions needed there, {len(needed) - len(missing)} already on the GPU image; "
-          f"bundling {len(missing)}", flush=True)
+    missing = resolve(python, work)  # what the image lacks, with everything it needs
+    print(f"{len(missing)} distributions the GPU image lacks: bundling them", flush=True)
     pins = [f"{r['name']}=={r['version']}" for r in missing]
     run([python, "-m", "pip", "download", "--quiet", "--no-deps", *pip_target_flags(DEVICE_PYTHON),
          "-d", work / "bundle" / "wheels", *pins])
@@ -158,8 +185,7 @@ def build(out: Path, calls: int, python=sys.executable) -> dict:
         raise SystemExit(f"expected {len(pins)} wheels, pip downloaded {len(wheels)}")
     contents = {"python": DEVICE_PYTHON, "platforms": DEVICE_PLATFORMS,
                 "wheels": [{"file": w.name, "bytes": w.stat().st_size} for w in wheels],
-                "model": [m.name for m in (work / "bundle" / "model").glob("*.whl")],
-                "already_on_image": sorted(f"{r['name']}=={r['version']}" for r in needed if r not in missing)}
+                "model": [m.name for m in (work / "bundle" / "model").glob("*.whl")]}
     (work / "bundle" / "contents.json").write_text(json.dumps(contents, indent=1))
     tar = work / "bundle.tar"
     with tarfile.open(tar, "w") as t:  # wheels are zip files already: compressing again saves nothing
