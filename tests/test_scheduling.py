@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -113,6 +114,50 @@ def test_chunk_rule_cases():
     assert chunk_rule(150, 100, False) == 0 and chunk_rule(150, 100, True) == 100
     assert chunk_rule(150, 100, True, 64) == 64 and chunk_rule(30, 100, True, 64) == 30
     assert chunk_rule(5, 0, True) == 0 and chunk_rule(1, 1, False) == 1
+
+
+def test_chunk_cost_context_shrinks_the_chunks_late_in_a_long_prompt():
+    """With ``chunk_cost_context`` K a prompt token attending to c earlier tokens takes 1 + c/K of the budget:
+    the chunks of one long prompt shrink as its context grows, each step's cost stays within the budget, and
+    the tokens are those of the prompt fed whole."""
+    k, budget = 64, 48
+    llm = LLM(device="cpu", enable_chunked_prefill=True, max_num_batched_tokens=budget, chunk_cost_context=k)
+    ids = [(7 * i) % 5000 + 100 for i in range(300)]
+    timeline = BatchTimeline()
+    outputs, _ = run_workload(llm, [BenchRequest(0, ids, 3, "long")], on_step=timeline.on_step, clock="steps",
+                              use_tqdm=False)
+    chunks = timeline.fed["long"][:-2]  # then its two decodes
+    assert sum(chunks) == len(ids) and chunks[0] > chunks[-2] and chunks == sorted(chunks, reverse=True)
+    done = 0
+    for n in chunks[:-1]:  # the last one is what was left
+        cost = n * (1 + (done + n / 2) / k)
+        assert cost <= budget < (n + 1) * (1 + (done + (n + 1) / 2) / k)  # the most the budget affords
+        done += n
+    whole = LLM(device="cpu").generate([{"prompt_token_ids": ids}],
+                                       SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert outputs[0].token_ids == whole[0].token_ids
+    with pytest.raises(ValueError, match="chunk_cost_context"):
+        LLM(device="cpu", enable_chunked_prefill=True, chunk_cost_context=-1)
+
+
+def test_chunk_cost_context_counts_chunks_not_decodes():
+    """A decode row takes 1 of the budget whatever its context; the prompt beside it gets what is left, priced."""
+    llm = LLM(device="cpu", enable_chunked_prefill=True, max_num_batched_tokens=40, chunk_cost_context=1000)
+    s = llm.engine.scheduler
+    work = long_prompt_workload(llm.tokenizer, num_decoding=3, decode_input_len=8, decode_output_len=12,
+                                num_long=1, long_input_len=150, long_output_len=3, long_start=2)
+    timeline = BatchTimeline()
+    run_workload(llm, work, on_step=timeline.on_step, clock="steps", use_tqdm=False)
+    fed = timeline.fed["long-0"]
+    assert fed[0] == 37 - 1  # 37 left after 3 decodes; 37 tokens would cost 37 (1 + 18.5/1000) > 37
+    assert s.affordable(SimpleNamespace(num_computed_tokens=0), 37) == 36 and s.affordable(None, 1) == 1
+
+
+def test_chunk_cost_context_auto_is_the_models_flop_ratio():
+    """"auto": the context at which a token's attention FLOPs equal its products' (SmolLM2-135M: 3,072);
+    without chunked prefill it is off."""
+    assert LLM(device="cpu", enable_chunked_prefill=True, chunk_cost_context="auto").engine.config.chunk_cost_context == 3072
+    assert LLM(device="cpu", chunk_cost_context="auto").engine.config.chunk_cost_context == 0
 
 
 def test_an_oversized_recompute_still_runs_alone():

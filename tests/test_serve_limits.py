@@ -112,7 +112,9 @@ def test_a_burst_within_the_free_slots_is_not_refused_in_process(engine_llm):
 def test_serve_defaults_feed_a_long_prompt_in_chunks_beside_the_decoders():
     """``python -m labsupport serve``'s defaults: chunked prefill on, a step budget sized for the device (512 on
     the CPU), so an 8,000-token prompt never takes a step alone: every step that carries a chunk of it also gives
-    each decoding request its next token."""
+    each decoding request its next token. Its tokens are priced by the context they attend to (``chunk_cost_context``
+    from the model: 3,072 for SmolLM2), so its late chunks are smaller and no step costs more than the budget
+    (``bench soak`` times the longest wait this leaves a stream)."""
     from labsupport import LLM, SamplingParams
     from labsupport.__main__ import build_parser
     from labsupport.serve.server import CPU_BATCHED_TOKENS, engine_options
@@ -126,16 +128,25 @@ def test_serve_defaults_feed_a_long_prompt_in_chunks_beside_the_decoders():
                     for _ in range(4)]
         for _ in range(3):
             engine.step()
+        assert options["chunk_cost_context"] == "auto" and engine.config.chunk_cost_context == 3072
         long = engine.add_request(list(range(200, 8200)), SamplingParams(max_tokens=1))
-        chunk_steps = 0
+        chunk_steps, chunks = 0, []
         while not long.is_finished:
             before = [len(d.output_token_ids) for d in decoders]
+            done = long.num_computed_tokens
             engine.step()
             out = engine.last_step
             assert out.total_tokens <= CPU_BATCHED_TOKENS
+            if long in out.requests and long.num_computed_tokens < 8000:
+                n = out.scheduled[long.request_id][0]
+                chunks.append(n)
+                cost = n * (1 + (done + n / 2) / 3072) + sum(1 for r in out.requests if r is not long)
+                assert cost <= CPU_BATCHED_TOKENS
             if long in out.requests and any(not d.is_finished for d in decoders):
                 chunk_steps += 1
                 assert all(len(d.output_token_ids) == b + 1 for d, b in zip(decoders, before) if not d.is_finished)
         assert chunk_steps >= 8000 // CPU_BATCHED_TOKENS - 1
+        assert chunks[0] > 400  # early: most of the budget (471 of the 508 the four decodes leave)
+        assert chunks[-2] < chunks[0] / 2.5  # late in the prompt: its attention is most of a token's cost
     finally:
         llm.shutdown()

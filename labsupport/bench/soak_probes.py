@@ -219,6 +219,39 @@ def tokenize_stall(url: str, model: str, live: int, body_bytes: int) -> dict:
             "max_stall_s": max(around, default=0.0), "median_gap_s": statistics.median(g for g, _, _ in gaps)}
 
 
+def long_prompt_stall(url: str, model: str, live: int, prompt_tokens: int) -> dict:
+    """``live`` streams decoding while one prompt of ``prompt_tokens`` token ids arrives (head-of-line blocking,
+    issue 41): the longest gap between two events of any stream while it is prefilled, beside the streams'
+    median gap and the long request's time to its one token."""
+    body = {"model": model, "prompt": "Write a poem about the sea.", "max_tokens": 4000, "ignore_eos": True}
+    long = {"model": model, "prompt": [(i * 7919) % 20000 + 100 for i in range(prompt_tokens)], "max_tokens": 1}
+    stamps = [[] for _ in range(live)]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=600) as client:
+            tasks = [asyncio.create_task(stream(client, url + COMPLETIONS, body, None, s)) for s in stamps]
+            while min(len(s) for s in stamps) < 5:  # every stream is producing
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.0)
+            t0 = time.perf_counter()
+            r = await client.post(url + COMPLETIONS, json=long)
+            t1 = time.perf_counter()
+            await asyncio.sleep(0.5)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return t0, t1, r.status_code
+
+    t0, t1, status = asyncio.run(run())
+    gaps = [(b - a, a, b) for s in stamps for a, b in zip(s, s[1:])]
+    around = [g for g, a, b in gaps if b >= t0 and a <= t1]
+    before = [g for g, a, b in gaps if b < t0]
+    wait_idle(url)
+    return {"long_status": status, "long_prompt_tokens": prompt_tokens, "long_request_s": t1 - t0,
+            "max_stall_s": max(around, default=0.0), "median_gap_during_s": statistics.median(around or [0.0]),
+            "median_gap_before_s": statistics.median(before or [0.0])}
+
+
 def frozen_worker(router_url: str, model: str, pid: int) -> dict:
     """``kill -STOP`` a PD worker under a stream through the router: seconds until the client learns (an SSE
     error or the end of the stream), whether it was an error, and how fast a new request is answered."""

@@ -48,6 +48,10 @@ class EngineConfig:
     cpu_offload_blocks: int = 0  # CPU tier for blocks evicted from the pool (needs prefix caching)
     enable_chunked_prefill: bool = False
     long_prefill_token_threshold: int = 0  # with chunked prefill: cap on one request's chunk per step (0: none)
+    chunk_cost_context: int | str = 0  # with chunked prefill, 0: off. A prompt token that attends to c earlier tokens
+    # takes 1 + c / chunk_cost_context of the step's token budget (Scheduler.step_cost): late in a long prompt its
+    # attention, not its products, is what makes a step long, so a late chunk is smaller. "auto" (the server's
+    # default): from the model's widths (build.chunk_cost_context). Without chunked prefill it does nothing
     scheduling_policy: str = "continuous"  # or "static": the baseline of chapter 04
     enforce_eager: bool = False  # True: every layer from Python; else a GPU replays decode steps from CUDA graphs
     # (engine/cuda_graphs.py) and a CPU runs small float32 decode steps a C++ call a layer (engine/cpu_decode_layers.py)
@@ -64,11 +68,11 @@ class EngineConfig:
             raise ValueError(f"kv_cache must be 'paged', 'contiguous' or 'none', got {self.kv_cache!r}")
         if self.scheduling_policy not in ("continuous", "static"):
             raise ValueError(f"scheduling_policy must be 'continuous' or 'static', got {self.scheduling_policy!r}")
-        non_negative = ("cpu_offload_blocks", "long_prefill_token_threshold")
+        non_negative = ("cpu_offload_blocks", "long_prefill_token_threshold", "chunk_cost_context")
         optional = ("num_blocks", "max_model_len", "kv_cache_memory_bytes")  # None: the engine picks
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size") + non_negative + optional:
             value, low = getattr(self, name), 0 if name in non_negative else 1
-            if value is None and name in optional:
+            if value is None and name in optional or (name == "chunk_cost_context" and value == "auto"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")

@@ -46,7 +46,8 @@ class LLMEngine(PlugPoints):
             from ..models.quantize import quantize_model
             self.quantization_report = quantize_model(self.model, config.quantization)
         limit = self.model.config.max_position_embeddings
-        self.config = dataclasses.replace(config, max_model_len=min(config.max_model_len or min(limit, 8192), limit))
+        self.config = dataclasses.replace(config, max_model_len=min(config.max_model_len or min(limit, 8192), limit),
+                                          chunk_cost_context=build.chunk_cost_context(config, self.model.config))
         self.draft_model = build.load_draft(self.config, self.model, self.device)  # ch. 09: its KV shares the pool
         self.kv, self.backend = build.kv_and_backend(self.config, self.model, self.device, self.draft_model)
         self.runner = ModelRunner(self.model, self.backend, self.device)

@@ -25,6 +25,7 @@ them in for the length of a ``with`` block.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -163,7 +164,7 @@ class Scheduler(RequestLifecycle):
                 self.preempt(req)                       # it was the newest itself
                 break
             self.add_to_batch(out, req, n)
-            budget -= n
+            budget -= self.step_cost(req, n)
             i += 1
         if self.config.scheduling_policy == "static" and self.running:
             return out                                  # the baseline: nobody joins a batch in flight
@@ -176,7 +177,7 @@ class Scheduler(RequestLifecycle):
                     break
                 self.admit(req)
                 self.add_to_batch(out, req, n)
-                budget -= n
+                budget -= self.step_cost(req, n)
                 continue
             if self.connector is not None:
                 loading = self.start_remote_load(req, self.kv.find_cached_prefix(req))
@@ -188,7 +189,7 @@ class Scheduler(RequestLifecycle):
             if n == 0:
                 break                                   # FCFS: nobody overtakes the head of the queue
             out.prefix_hit_tokens[req.request_id] = req.num_computed_tokens  # not yet advanced: the hit
-            budget -= n
+            budget -= self.step_cost(req, n)
         return out
 
     # ------------------------------------------------------------------ mechanism a policy uses
@@ -200,11 +201,34 @@ class Scheduler(RequestLifecycle):
         preemption) still runs, alone in its step, so it cannot wait forever.
         """
         remaining = req.num_tokens - req.num_computed_tokens - skip + len(req.spec_token_ids)  # guesses: chapter 09
-        n = self.chunk_rule(remaining, budget_left, self.config.enable_chunked_prefill,
+        n = self.chunk_rule(remaining, self.affordable(req, budget_left, skip), self.config.enable_chunked_prefill,
                             self.config.long_prefill_token_threshold)
         if n == 0 and not out.requests and remaining > 0:
             n = remaining
         return n
+
+    def step_cost(self, req: Request, n: int) -> int:
+        """What feeding ``n`` tokens of ``req`` takes from the step's token budget: ``n``, unless
+        ``chunk_cost_context`` (K) is set and this is a prompt chunk. Then each token counts 1 + c/K, c the
+        earlier tokens it attends to (on average ``num_computed_tokens + n/2``): a token's products cost
+        the same at any position, its attention grows with its context, and once c passes K the attention
+        is most of the step. A decode row counts 1: the budget is for chunks, as in vLLM."""
+        k = self.config.chunk_cost_context if self.config.enable_chunked_prefill else 0
+        if not k or n - len(req.spec_token_ids) <= 1:
+            return n
+        return math.ceil(n * (1 + (req.num_computed_tokens + n / 2) / k))
+
+    def affordable(self, req: Request, budget_left: int, skip: int = 0) -> int:
+        """The most tokens of ``req`` whose ``step_cost`` fits in ``budget_left`` (the inverse of step_cost:
+        n (1 + (c + n/2) / K) <= budget, solved for n), at least 1 while any budget is left."""
+        k = self.config.chunk_cost_context if self.config.enable_chunked_prefill else 0
+        if not k or budget_left <= 1:
+            return budget_left
+        a = 1 + (req.num_computed_tokens + skip) / k
+        n = int(k * (math.sqrt(a * a + 2 * budget_left / k) - a))
+        while n > 1 and n * (a + n / (2 * k)) > budget_left:  # float rounding
+            n -= 1
+        return max(n, 1)
 
     def add_to_batch(self, out: SchedulerOutput, req: Request, num_new_tokens: int):
         """Feed ``num_new_tokens`` tokens of ``req`` this step, reserving the KV memory they need."""

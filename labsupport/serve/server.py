@@ -19,6 +19,19 @@ GPU_BATCHED_TOKENS = 2048  # vllm serve's default token budget per step (chunked
 CPU_BATCHED_TOKENS = 512  # on the 2-core CPU a step of 512 prompt tokens of the default model takes ~0.2-0.4 s
 
 
+def chunk_cost(text: str) -> int | str:
+    """``--chunk-cost-context``: "auto" or a token count >= 0."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or a whole number of tokens >= 0, got {text!r}")
+    return value
+
+
 class LabServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, engine):
         super().__init__(config)
@@ -53,6 +66,11 @@ def add_serve_arguments(srv):
                      help="on by default, as in vllm serve: a long prompt is fed in chunks of the step's token budget "
                           "beside the decoding requests, so it never stalls them for a whole prefill")
     srv.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    srv.add_argument("--chunk-cost-context", type=chunk_cost, default="auto", metavar="K",
+                     help="with chunked prefill, a prompt token attending to c earlier tokens takes 1 + c/K of the "
+                          "step's token budget, so a long prompt's late chunks, whose attention reads the most, are "
+                          "smaller (default auto: the context at which the model's attention FLOPs per token equal "
+                          "its products', 3,072 for SmolLM2-135M; 0: every token counts 1, as in vllm serve)")
     srv.add_argument("--max-num-batched-tokens", type=int, default=None,
                      help=f"tokens one step may feed (default: {GPU_BATCHED_TOKENS} on a GPU, as vllm serve's, "
                           f"{CPU_BATCHED_TOKENS} on the CPU, where a step of that size takes a few hundred ms)")
@@ -168,7 +186,7 @@ def engine_options(args) -> dict:
     return dict(kv_transfer_config=kv_transfer_config(args),
                 enable_prefix_caching=args.enable_prefix_caching and args.kv_cache == "paged",  # needs blocks
                 enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
-                long_prefill_token_threshold=args.long_prefill_token_threshold,
+                long_prefill_token_threshold=args.long_prefill_token_threshold, chunk_cost_context=args.chunk_cost_context,
                 scheduling_policy=args.scheduling_policy, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 speculative_config=json_flag(args.speculative_config, "--speculative-config"),
                 quantization=args.quantization, cpu_decode_kernel=args.cpu_decode_kernel)
