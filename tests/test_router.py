@@ -517,3 +517,14 @@ def test_worker_killed_mid_request_then_restarted(worker_a, a, b, llm):
             while not httpx.get(r.url + "/health").json()["workers"][a.url]["healthy"] and time.time() < deadline:
                 time.sleep(0.1)
             assert routed(httpx.post(r.url + "/v1/completions", json=SHORT, timeout=60)) == f"instance={a.url}"
+
+
+def test_the_router_process_never_imports_torch():
+    """``python -m labsupport router`` needs no model: chapter 07 runs several routers beside its workers, and
+    torch would add ~200 MB to each (it came in through the server's app module before)."""
+    code = "import sys; from labsupport.pd import router_app; sys.exit(int('torch' in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+    help_run = subprocess.run([sys.executable, "-X", "importtime", "-m", "labsupport", "router", "--help"],
+                              capture_output=True, text=True, timeout=60)
+    assert help_run.returncode == 0 and "--prefill" in help_run.stdout
+    assert not [line for line in help_run.stderr.splitlines() if line.rstrip().endswith("| torch")]

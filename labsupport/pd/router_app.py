@@ -27,8 +27,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from ..serve.api import cancel_on_disconnect
-from ..serve.guard import DEFAULT_MAX_BODY_BYTES, Guard
+from ..serve.guard import DEFAULT_MAX_BODY_BYTES, Guard, cancel_on_disconnect
 from ..serve.protocol import APIError
 from .router import KV_PARAMS, READ_TIMEOUT_S, UNAVAILABLE, Router, error_response, log
 from .router import __doc__ as ROUTER_DOC  # the command's --help

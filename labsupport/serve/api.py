@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException
 
 from .async_engine import AsyncEngine, EngineUnavailableError, QueueFullError, RequestFailedError
 from .completions import Completion, context_error, prompt_chars
-from .guard import DEFAULT_MAX_BODY_BYTES, Guard, bearer_token, tenant_salt
+from .guard import DEFAULT_MAX_BODY_BYTES, Guard, bearer_token, cancel_on_disconnect, tenant_salt
 from .loop_lag import LoopLag
 from .openai_format import TokenText
 from .openapi import document_errors
@@ -204,27 +204,6 @@ def create_app(source, served_model_name: str | None = None, *, api_keys=(), max
         return {"prompt": frontend.tokenizer.decode(body.tokens)}
 
     return app
-
-
-async def cancel_on_disconnect(request: Request, work):
-    """Await a non-streamed answer, but stop (aborting its engine requests) if the client hangs up:
-    nobody would read it, and its tokens would take steps from clients who are still there."""
-    task = asyncio.ensure_future(work)
-
-    async def hung_up():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(hung_up())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()  # its stream closes (aborting the engine requests) as the cancellation lands
-    if task.done() and not task.cancelled():
-        return task.result()  # the answer, or its exception for the error handlers
-    return error_response(499, "the client closed the connection", "client_closed_request")
 
 
 def add_error_handlers(app: FastAPI):

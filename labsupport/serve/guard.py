@@ -12,6 +12,10 @@ probes. Keys are compared in constant time. A body that trickles in slower than 
 ``BODY_READ_TIMEOUT_S`` is answered 408: a half-sent request must not hold a connection forever. With keys,
 each key is a tenant: ``tenant_salt`` turns it into a cache salt, so two keys never share
 cached KV blocks or cached results (a tenant could otherwise time another's prompts).
+
+``cancel_on_disconnect`` stops a non-streamed answer whose client hung up. It lives here, with the other
+HTTP-only pieces, because the PD router uses it too: importing it from ``api.py`` would bring the engine,
+and torch, into the router's process (~200 MB each, chapter 07 runs several).
 """
 from __future__ import annotations
 
@@ -96,3 +100,24 @@ class Guard:
     async def too_large(self, scope, receive, send):
         await error_response(413, f"the request body is over {self.max_body_bytes} bytes "
                                   "(the server's --max-request-body-bytes)")(scope, receive, send)
+
+
+async def cancel_on_disconnect(request, work):
+    """Await a non-streamed answer, but stop (aborting its engine requests) if the client hangs up:
+    nobody would read it, and its tokens would take steps from clients who are still there."""
+    task = asyncio.ensure_future(work)
+
+    async def hung_up():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(hung_up())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()  # its stream closes (aborting the engine requests) as the cancellation lands
+    if task.done() and not task.cancelled():
+        return task.result()  # the answer, or its exception for the error handlers
+    return error_response(499, "the client closed the connection", "client_closed_request")
