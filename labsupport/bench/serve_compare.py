@@ -16,7 +16,8 @@ and drives it with the outside clients over the same workloads:
 
 Every client counts output tokens from the server's ``usage`` or its own tokenizer and starts TTFT at
 the first chunk, as users' clients do. The JSON says which machine, which date and which versions;
-``format_table`` prints the rows side by side with ours / vLLM ratios.
+``format_table`` prints the rows side by side with ours / vLLM ratios. ``--guidellm-rounds N`` adds N
+guidellm-only rounds, the servers alternating, and prints each round's ratio and their median.
 
     python -m labsupport bench serve-compare --json benchmarks/serve-compare-cpu-DATE.json
 """
@@ -154,14 +155,49 @@ def probe_first_chunk(url: str, background: int = 16, timeout_s: float = 300) ->
     return {"first_chunk_ms": 1000 * (first_chunk - start), "first_text_ms": 1000 * (first_text - start)}
 
 
-def measure(engines: list[str], quick: bool = False, folder: str | None = None, log=print) -> dict:
+def guidellm_rounds(engines: list[str], rounds: int, folder: str, shape: dict, log=print) -> list[dict]:
+    """guidellm alone, ``rounds`` times per server, the servers alternating and each started afresh: the spread
+    of the one figure a single run could not settle (at 16 closed-loop streams the two servers are level, and
+    one run of each moved 8 % between two runs of one day, 2026-12-04)."""
+    from ..pd.cluster import stop_all
+    rows = []
+    for i in range(rounds):
+        for engine in engines:
+            server = start_server(engine, folder)
+            try:
+                got = run_guidellm(server.url, folder, shape)
+            finally:
+                stop_all([server])
+            rows.append({"round": i, "engine": engine, **got})
+            log(f"  guidellm round {i + 1}/{rounds}, {engine}: {got}")
+    return rows
+
+
+def rounds_summary(rows: list[dict]) -> str:
+    """Each round's ours / vLLM output tok/s and their median; '' without both servers in a round."""
+    by_round: dict[int, dict[str, float]] = {}
+    for r in rows:
+        if r.get("output_throughput"):
+            by_round.setdefault(r["round"], {})[r["engine"]] = r["output_throughput"]
+    pairs = [(i, v["ours"], v["vllm"]) for i, v in sorted(by_round.items()) if "ours" in v and "vllm" in v]
+    if not pairs:
+        return ""
+    ratios = sorted(a / b for _, a, b in pairs)
+    mid = len(ratios) // 2
+    median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    each = "; ".join(f"{a:.1f} / {b:.1f} = {a / b:.2f}x" for _, a, b in pairs)
+    return f"guidellm alone, {len(pairs)} rounds (ours / vLLM output tok/s): {each}; median {median:.2f}x"
+
+
+def measure(engines: list[str], quick: bool = False, folder: str | None = None, log=print, rounds: int = 0,
+            only_rounds: bool = False) -> dict:
     from ..models.loader import prepare_default_model
     from .compare import machine
     folder = str(folder or prepare_default_model())
     loads, shape = (QUICK_LOADS, QUICK_GUIDELLM) if quick else (LOADS, GUIDELLM)
     from ..pd.cluster import stop_all
     results = {}
-    for engine in engines:
+    for engine in [] if only_rounds else engines:
         log(f"{engine}: starting the server")
         server = start_server(engine, folder)
         try:
@@ -178,7 +214,10 @@ def measure(engines: list[str], quick: bool = False, folder: str | None = None, 
             results[engine] = rows
         finally:
             stop_all([server])
-    return {"machine": machine(), "loads": [vars(x) for x in loads], "guidellm_shape": shape, "results": results}
+    report = {"machine": machine(), "loads": [vars(x) for x in loads], "guidellm_shape": shape, "results": results}
+    if rounds:
+        report["guidellm_rounds"] = guidellm_rounds(engines, rounds, folder, shape, log)
+    return report
 
 
 TABLE = [("burst", "output_throughput", "vllm bench serve, prefill-heavy burst: output tok/s", True),
@@ -208,6 +247,11 @@ def format_table(report: dict) -> str:
             cells.append("-" if ratio is None else f"{ratio:.2f}x")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     m = report["machine"]
+    if not results:
+        lines = []
+    summary = rounds_summary(report.get("guidellm_rounds", []))
+    if summary:
+        lines.append(summary)
     lines.append(f"\n{m['date']}, {m['cpu']}, {m['cores']} cores; each server alone, its own defaults, "
                  f"max_model_len {MAX_MODEL_LEN}. Ratios above 1 favour ours.")
     return "\n".join(lines)
@@ -218,13 +262,18 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--quick", action="store_true", help="small loads: a smoke test of the whole pipeline")
     p.add_argument("--json", metavar="FILE", default=None, help="save the report (machine, date, every figure)")
     p.add_argument("--model", default=None, help="HF folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--guidellm-rounds", type=int, default=0, metavar="N",
+                   help="then N guidellm-only rounds, the servers alternating, each started afresh (its spread)")
+    p.add_argument("--only-guidellm-rounds", action="store_true", help="the rounds only, not the table's loads")
 
 
 def main(args) -> int:
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if not engines or set(engines) - set(ENGINES):
         raise ValueError(f"unknown engines {args.engines!r}: choose from {','.join(ENGINES)}")
-    report = measure(engines, args.quick, args.model)
+    if args.guidellm_rounds < 0 or (args.only_guidellm_rounds and not args.guidellm_rounds):
+        raise ValueError("--guidellm-rounds must be >= 0, and > 0 with --only-guidellm-rounds")
+    report = measure(engines, args.quick, args.model, rounds=args.guidellm_rounds, only_rounds=args.only_guidellm_rounds)
     print(format_table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
