@@ -188,31 +188,43 @@ def never_read_streams(url: str, model: str, pid: int, streams: int, seconds: fl
             "drained_s": drained_s}
 
 
+def beside_streams(url: str, live: int, body: dict, request, settle: float, timeout: float = 300):
+    """``live`` streams of ``body`` decoding while ``request(client)`` (a coroutine function) runs once every
+    stream is producing: returns its result, when it started and ended, and the gaps between consecutive events of
+    any stream as ``(gap, earlier event, later event)``. The streams go on ``settle`` seconds after it."""
+    stamps = [[] for _ in range(live)]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            tasks = [asyncio.create_task(stream(client, url + COMPLETIONS, body, None, s)) for s in stamps]
+            while min(len(s) for s in stamps) < 5:  # every stream is producing
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.0)
+            t0 = time.perf_counter()
+            result = await request(client)
+            t1 = time.perf_counter()
+            await asyncio.sleep(settle)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return result, t0, t1
+
+    result, t0, t1 = asyncio.run(run())
+    return result, t0, t1, [(b - a, a, b) for s in stamps for a, b in zip(s, s[1:])]
+
+
 def tokenize_stall(url: str, model: str, live: int, body_bytes: int) -> dict:
     """``live`` streams decoding while a ``/tokenize`` of ``body_bytes`` arrives: the longest gap between two
     events of any stream around it (the stall), beside the streams' median gap and the tokenize's own time."""
     words = (body_bytes - 100) // 6
     big = json.dumps({"model": model, "prompt": "hello " * words}).encode()
     body = {"model": model, "prompt": "Write a poem about the sea.", "max_tokens": 2000, "ignore_eos": True}
-    stamps = [[] for _ in range(live)]
 
-    async def run():
-        async with httpx.AsyncClient(timeout=300) as client:
-            tasks = [asyncio.create_task(stream(client, url + COMPLETIONS, body, None, s)) for s in stamps]
-            while min(len(s) for s in stamps) < 5:  # every stream is producing
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(1.0)
-            t0 = time.perf_counter()
-            r = await client.post(url + "/tokenize", content=big, headers={"content-type": "application/json"})
-            t1 = time.perf_counter()
-            await asyncio.sleep(1.5)
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            return t0, t1, r.status_code
+    async def tokenize(client):
+        r = await client.post(url + "/tokenize", content=big, headers={"content-type": "application/json"})
+        return r.status_code
 
-    t0, t1, status = asyncio.run(run())
-    gaps = [(b - a, a, b) for s in stamps for a, b in zip(s, s[1:])]
+    status, t0, t1, gaps = beside_streams(url, live, body, tokenize, settle=1.5)
     around = [g for g, a, b in gaps if b >= t0 and a <= t1 + 0.5]
     wait_idle(url)
     return {"tokenize_status": status, "tokenize_s": t1 - t0, "body_mb": len(big) / 1e6,
@@ -225,25 +237,11 @@ def long_prompt_stall(url: str, model: str, live: int, prompt_tokens: int) -> di
     median gap and the long request's time to its one token."""
     body = {"model": model, "prompt": "Write a poem about the sea.", "max_tokens": 4000, "ignore_eos": True}
     long = {"model": model, "prompt": [(i * 7919) % 20000 + 100 for i in range(prompt_tokens)], "max_tokens": 1}
-    stamps = [[] for _ in range(live)]
 
-    async def run():
-        async with httpx.AsyncClient(timeout=600) as client:
-            tasks = [asyncio.create_task(stream(client, url + COMPLETIONS, body, None, s)) for s in stamps]
-            while min(len(s) for s in stamps) < 5:  # every stream is producing
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(1.0)
-            t0 = time.perf_counter()
-            r = await client.post(url + COMPLETIONS, json=long)
-            t1 = time.perf_counter()
-            await asyncio.sleep(0.5)
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            return t0, t1, r.status_code
+    async def send_long(client):
+        return (await client.post(url + COMPLETIONS, json=long)).status_code
 
-    t0, t1, status = asyncio.run(run())
-    gaps = [(b - a, a, b) for s in stamps for a, b in zip(s, s[1:])]
+    status, t0, t1, gaps = beside_streams(url, live, body, send_long, settle=0.5, timeout=600)
     around = [g for g, a, b in gaps if b >= t0 and a <= t1]
     before = [g for g, a, b in gaps if b < t0]
     wait_idle(url)

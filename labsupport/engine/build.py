@@ -81,8 +81,8 @@ def chunk_cost_context(c: EngineConfig, cfg) -> int:
     take 2 x (its projections' and MLP's weights) FLOPs and its attention 4 x heads x head_dim per earlier
     token (scores and the weighted sum), so K = weights per layer / (2 x heads x head_dim): 3,072 for
     SmolLM2-135M (576 wide, 9 heads of 64), about 26,000 for Llama-3.1-8B, where attention matters much
-    later. On the 2-core CPU the lab's kernels track this: a 508-token chunk's step grew from 0.36 s at
-    context 508 to 0.98 s at 7,112 (2026-12-04), a K of about 3,700."""
+    later. How closely the lab's CPU kernels follow the FLOPs is measured in ``benchmarks/README.md`` (a long
+    prompt beside decoding streams)."""
     if c.chunk_cost_context != "auto":
         return c.chunk_cost_context
     if not c.enable_chunked_prefill:
