@@ -113,7 +113,7 @@ DEVICE_MARKERS = {"python_version": DEVICE_PYTHON, "python_full_version": DEVICE
                   "os_name": "posix"}
 
 
-def resolve(python, work: Path) -> list[dict]:
+def resolve() -> list[dict]:
     """The distributions the course needs on the GPU machine that its image may lack: the requirements it lacks
     and everything they need, at the versions this side's ``.venv`` has installed (the ones CI tests), read
     from their metadata: [{name, version}]. (Requirements the image meets are not followed: accelerate's would
@@ -127,7 +127,6 @@ def resolve(python, work: Path) -> list[dict]:
     from packaging.markers import default_environment
     from packaging.requirements import Requirement  # the CPU side's venv has it
 
-    del python, work  # kept for the caller's signature: nothing is run
     env = {**default_environment(), **DEVICE_MARKERS}
     image = image_packages()
     found, clashes, absent = {}, [], []
@@ -173,7 +172,7 @@ def build(out: Path, calls: int, python=sys.executable) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     (work / "bundle" / "wheels").mkdir(parents=True)
     (work / "bundle" / "model").mkdir()
-    missing = resolve(python, work)  # what the image lacks, with everything it needs
+    missing = resolve()  # what the image lacks, with everything it needs
     print(f"{len(missing)} distributions the GPU image lacks: bundling them", flush=True)
     pins = [f"{r['name']}=={r['version']}" for r in missing]
     run([python, "-m", "pip", "download", "--quiet", "--no-deps", *pip_target_flags(DEVICE_PYTHON),

@@ -157,8 +157,8 @@ def probe_first_chunk(url: str, background: int = 16, timeout_s: float = 300) ->
 
 def guidellm_rounds(engines: list[str], rounds: int, folder: str, shape: dict, log=print) -> list[dict]:
     """guidellm alone, ``rounds`` times per server, the servers alternating and each started afresh: the spread
-    of the one figure a single run could not settle (at 16 closed-loop streams the two servers are level, and
-    one run of each moved 8 % between two runs of one day, 2026-12-04)."""
+    of a figure one run cannot settle: at 16 closed-loop streams the two servers are level, so one run of each
+    says more about the moment than about the servers (``benchmarks/README.md`` has the runs)."""
     from ..pd.cluster import stop_all
     rows = []
     for i in range(rounds):
@@ -233,25 +233,26 @@ TABLE = [("burst", "output_throughput", "vllm bench serve, prefill-heavy burst: 
 
 
 def format_table(report: dict) -> str:
-    """Rows side by side; the last column is ours / vLLM where higher is better, vLLM / ours where lower is."""
+    """Rows side by side; the last column is ours / vLLM where higher is better, vLLM / ours where lower is.
+    Then the guidellm rounds, if any (with ``--only-guidellm-rounds``, only them)."""
     results = report["results"]
-    engines = list(results)
-    lines = ["| | " + " | ".join(engines) + (" | ours vs vLLM |" if {"ours", "vllm"} <= set(results) else " |"),
-             "|---" * (len(engines) + 1 + ({"ours", "vllm"} <= set(results))) + "|"]
-    for load, key, label, higher in TABLE:
+    engines, both = list(results), {"ours", "vllm"} <= set(results)
+    lines = []
+    if results:
+        lines += ["| | " + " | ".join(engines) + (" | ours vs vLLM |" if both else " |"),
+                  "|---" * (len(engines) + 1 + both) + "|"]
+    for load, key, label, higher in TABLE if results else ():
         values = [results[e].get(load, {}).get(key) for e in engines]
         cells = ["-" if v is None else f"{v:,.1f}" for v in values]
-        if {"ours", "vllm"} <= set(results):
+        if both:
             a, b = results["ours"].get(load, {}).get(key), results["vllm"].get(load, {}).get(key)
             ratio = (a / b if higher else b / a) if a and b else None
             cells.append("-" if ratio is None else f"{ratio:.2f}x")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    m = report["machine"]
-    if not results:
-        lines = []
     summary = rounds_summary(report.get("guidellm_rounds", []))
     if summary:
         lines.append(summary)
+    m = report["machine"]
     lines.append(f"\n{m['date']}, {m['cpu']}, {m['cores']} cores; each server alone, its own defaults, "
                  f"max_model_len {MAX_MODEL_LEN}. Ratios above 1 favour ours.")
     return "\n".join(lines)

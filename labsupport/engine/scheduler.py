@@ -201,11 +201,17 @@ class Scheduler(RequestLifecycle):
         preemption) still runs, alone in its step, so it cannot wait forever.
         """
         remaining = req.num_tokens - req.num_computed_tokens - skip + len(req.spec_token_ids)  # guesses: chapter 09
-        n = self.chunk_rule(remaining, self.affordable(req, budget_left, skip), self.config.enable_chunked_prefill,
-                            self.config.long_prefill_token_threshold)
+        priced = remaining - len(req.spec_token_ids) > 1  # a prompt chunk (a decode row counts 1: step_cost)
+        n = self.chunk_rule(remaining, self.affordable(req, budget_left, skip) if priced else budget_left,
+                            self.config.enable_chunked_prefill, self.config.long_prefill_token_threshold)
         if n == 0 and not out.requests and remaining > 0:
             n = remaining
         return n
+
+    @property
+    def cost_context(self) -> int:
+        """``chunk_cost_context`` where it applies (chunked prefill on), else 0."""
+        return self.config.chunk_cost_context if self.config.enable_chunked_prefill else 0
 
     def step_cost(self, req: Request, n: int) -> int:
         """What feeding ``n`` tokens of ``req`` takes from the step's token budget: ``n``, unless
@@ -213,7 +219,7 @@ class Scheduler(RequestLifecycle):
         earlier tokens it attends to (on average ``num_computed_tokens + n/2``): a token's products cost
         the same at any position, its attention grows with its context, and once c passes K the attention
         is most of the step. A decode row counts 1: the budget is for chunks, as in vLLM."""
-        k = self.config.chunk_cost_context if self.config.enable_chunked_prefill else 0
+        k = self.cost_context
         if not k or n - len(req.spec_token_ids) <= 1:
             return n
         return math.ceil(n * (1 + (req.num_computed_tokens + n / 2) / k))
@@ -221,7 +227,7 @@ class Scheduler(RequestLifecycle):
     def affordable(self, req: Request, budget_left: int, skip: int = 0) -> int:
         """The most tokens of ``req`` whose ``step_cost`` fits in ``budget_left`` (the inverse of step_cost:
         n (1 + (c + n/2) / K) <= budget, solved for n), at least 1 while any budget is left."""
-        k = self.config.chunk_cost_context if self.config.enable_chunked_prefill else 0
+        k = self.cost_context
         if not k or budget_left <= 1:
             return budget_left
         a = 1 + (req.num_computed_tokens + skip) / k

@@ -20,16 +20,8 @@ CPU_BATCHED_TOKENS = 512  # on the 2-core CPU a step of 512 prompt tokens of the
 
 
 def chunk_cost(text: str) -> int | str:
-    """``--chunk-cost-context``: "auto" or a token count >= 0."""
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or a whole number of tokens >= 0, got {text!r}")
-    return value
+    """``--chunk-cost-context``: "auto" or a token count (EngineConfig checks that it is >= 0)."""
+    return text if text == "auto" else int(text)
 
 
 class LabServer(uvicorn.Server):
