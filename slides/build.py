@@ -18,14 +18,20 @@ for another chapter's notebook) becomes the Markdown output (``display(Markdown(
 ``slide-text:NAME`` (``notebook_text.py``), so a table or a sentence of measured figures on a slide is the one
 the notebook printed in its last run, never a hand-copied one that the next run makes false.
 
+Step 3, fit. With a Chromium present, every page is laid out in it and measured (``overflow.js``):
+content above the slide, past its sides or below the footer line fails the build, naming the deck
+and the page, because Marp clips such content silently and the slide is projected without it.
+
 Any problem (a tagged cell without a PNG or without markdown, a deck pointing at a figure or an
-output nobody produced, Marp failing) is reported with the file it concerns, and the exit status
+output nobody produced, Marp failing, a page overflowing) is reported with the file it concerns, and the exit status
 is non-zero.
 """
 from __future__ import annotations
 
 import argparse
 import base64
+import html as html_lib
+import json
 import os
 import re
 import shutil
@@ -189,16 +195,56 @@ def run_marp(marp: str, source: Path, target: Path, extra: list[str]) -> None:
         raise BuildError(f"marp failed on {source.name} -> {target.name}:\n{result.stderr.strip()}")
 
 
-def build_deck(deck: Path, out_dir: Path, marp: str | None, chromium: str | None,
-               notebooks_dir: Path = REPO / "notebooks") -> list[Path]:
-    """Step 2 for one deck: HTML always, PDF when a Chromium path is given."""
+def overflowing_pages(marp: str, source: Path, chromium: str) -> tuple[int, list[dict]]:
+    """The deck's page count and its pages whose content leaves the slide or runs into the footer.
+
+    Marp clips a slide silently: a table's last row or a figure's axis below the slide box is
+    simply not projected, and nothing fails. So the deck is rendered again with Marp's bare
+    template (every page laid out, none hidden by the presenter's script), ``overflow.js`` is
+    added to it, and headless Chromium lays it out and measures each page (``--dump-dom`` prints
+    the page once loaded, with the script's report in it). The sandbox is turned off because the
+    page is our own offline build and containers rarely allow Chromium's sandbox; Marp does the
+    same for its PDFs.
+    """
+    bare = source.with_name(source.stem + ".bare.html")
+    run_marp(marp, source, bare, ["--template", "bare"])
+    script = (HERE / "overflow.js").read_text(encoding="utf-8")
+    bare.write_text(bare.read_text(encoding="utf-8").replace("</body>", f"<script>{script}</script></body>"),
+                    encoding="utf-8")
+    command = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+               "--window-size=1280,720", "--dump-dom", bare.as_uri()]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    report = re.search(r'<pre id="overflow-report">([^<]*)</pre>', done.stdout)  # JSON, HTML-escaped
+    if report is None:
+        raise BuildError(f"{source.name}: the overflow check got no report from {chromium} "
+                         f"(exit {done.returncode}):\n{done.stderr.strip()[-2000:]}")
+    measured = json.loads(html_lib.unescape(report.group(1)))
+    return measured["pages"], measured["overflows"]
+
+
+def describe_overflow(finding: dict) -> str:
+    """One finding of ``overflow.js`` in words: what overflows, which way and by how much."""
+    where = {"top": "starts {}px above the slide", "left": "starts {}px left of the slide",
+             "right": "runs {}px past the slide's right edge",
+             "bottom": "ends {}px below the " + ("footer line" if finding["footer"] else "slide")}
+    what = finding["text"] or "(no text)"
+    return f"<{finding['element']}> \"{what}\" " + where[finding["side"]].format(finding["excess"])
+
+
+def build_deck(deck: Path, out_dir: Path, marp: str | None, chromium: str | None = None,
+               notebooks_dir: Path = REPO / "notebooks", pdf: bool = False) -> list[Path]:
+    """Step 2 for one deck: HTML always; with a Chromium, the overflow check and, if asked, a PDF.
+
+    Without Marp only the deck's ``output`` lines and figures are checked (the caller says once
+    that Marp is missing) and nothing is built.
+    """
     try:  # a slide's measured sentences, printed by the notebook's cells (slides/notebook_text.py)
         markdown = expand_notebook_text(inline_images(deck), deck.name[:2], notebooks_dir)
     except ValueError as error:
         raise BuildError(f"{deck}: {error}") from error
     markdown = expand_course_map(markdown, deck.name[:2])
     if marp is None:
-        raise BuildError("marp not found: run `npm ci --prefix slides` first")
+        return []
     out_dir.mkdir(parents=True, exist_ok=True)
     built = []
     with tempfile.TemporaryDirectory() as tmp:   # the inlined copy never lands in slides/
@@ -210,11 +256,17 @@ def build_deck(deck: Path, out_dir: Path, marp: str | None, chromium: str | None
         if loads:
             raise BuildError(f"{html} would load from the network: " + "; ".join(loads))
         built.append(html)
+        if chromium and pdf:
+            target = out_dir / f"{deck.stem}.pdf"
+            run_marp(marp, source, target, ["--pdf", "--browser", "chrome", "--browser-path", chromium,
+                                            "--browser-timeout", "120"])
+            built.append(target)
         if chromium:
-            pdf = out_dir / f"{deck.stem}.pdf"
-            run_marp(marp, source, pdf, ["--pdf", "--browser", "chrome", "--browser-path", chromium,
-                                         "--browser-timeout", "120"])
-            built.append(pdf)
+            pages, overflows = overflowing_pages(marp, source, chromium)
+            if overflows:
+                raise BuildError("\n".join(f"{deck}: page {page['page']}: {describe_overflow(finding)}"
+                                           for page in overflows for finding in page["findings"]))
+            print(f"fits    {deck}: {pages} pages, none beyond the slide or over the footer")
     return built
 
 
@@ -241,14 +293,17 @@ def main(argv: list[str] | None = None) -> int:
     decks = chapter_files(args.slides, ".md", only)
     if not decks:
         errors.append(f"no NN_*.md deck in {args.slides}" + (f" for --only {','.join(sorted(only))}" if only else ""))
-    chromium = find_chromium() if args.pdf else None
-    if args.pdf and chromium is None:
-        print("warning: --pdf given but no Chromium found (install it or set CHROME_PATH); "
-              "building HTML only", file=sys.stderr)
+    chromium = find_chromium()
+    if chromium is None:
+        print("warning: no Chromium found (install it or set CHROME_PATH): "
+              + ("building HTML only, " if args.pdf else "") + "pages not checked for overflow",
+              file=sys.stderr)
     marp = find_marp()
+    if marp is None:
+        errors.append("marp not found: run `npm ci --prefix slides` first")
     for deck in decks:
         try:
-            for path in build_deck(deck, out_dir, marp, chromium, args.notebooks):
+            for path in build_deck(deck, out_dir, marp, chromium, args.notebooks, pdf=args.pdf):
                 print(f"deck    {path}")
         except BuildError as error:
             errors.append(str(error))
