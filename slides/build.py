@@ -18,19 +18,20 @@ for another chapter's notebook) becomes the Markdown output (``display(Markdown(
 ``slide-text:NAME`` (``notebook_text.py``), so a table or a sentence of measured figures on a slide is the one
 the notebook printed in its last run, never a hand-copied one that the next run makes false.
 
-Step 3, fit. With a Chromium present, every page is laid out in it and measured (``overflow.js``):
-content above the slide, past its sides or below the footer line fails the build, naming the deck
-and the page, because Marp clips such content silently and the slide is projected without it.
+Step 3, fit. With a Chromium present, every page is laid out in it and measured (``overflow.mjs``
+drives it, ``overflow.js`` measures): content above the slide, past its sides or below the footer
+line fails the build, naming the deck and the page, because Marp clips such content silently and
+the slide is projected without it.
 
 Any problem (a tagged cell without a PNG or without markdown, a deck pointing at a figure or an
-output nobody produced, Marp failing, a page overflowing) is reported with the file it concerns, and the exit status
+output nobody produced, Marp failing, a page overflowing) is reported with the file it concerns,
+and the exit status
 is non-zero.
 """
 from __future__ import annotations
 
 import argparse
 import base64
-import html as html_lib
 import json
 import os
 import re
@@ -200,25 +201,17 @@ def overflowing_pages(marp: str, source: Path, chromium: str) -> tuple[int, list
 
     Marp clips a slide silently: a table's last row or a figure's axis below the slide box is
     simply not projected, and nothing fails. So the deck is rendered again with Marp's bare
-    template (every page laid out, none hidden by the presenter's script), ``overflow.js`` is
-    added to it, and headless Chromium lays it out and measures each page (``--dump-dom`` prints
-    the page once loaded, with the script's report in it). The sandbox is turned off because the
-    page is our own offline build and containers rarely allow Chromium's sandbox; Marp does the
-    same for its PDFs.
+    template (every page laid out, none hidden by the presenter's script) and measured in headless
+    Chromium (``overflow.mjs`` drives it, ``overflow.js`` measures).
     """
     bare = source.with_name(source.stem + ".bare.html")
     run_marp(marp, source, bare, ["--template", "bare"])
-    script = (HERE / "overflow.js").read_text(encoding="utf-8")
-    bare.write_text(bare.read_text(encoding="utf-8").replace("</body>", f"<script>{script}</script></body>"),
-                    encoding="utf-8")
-    command = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-               "--window-size=1280,720", "--dump-dom", bare.as_uri()]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=180)
-    report = re.search(r'<pre id="overflow-report">([^<]*)</pre>', done.stdout)  # JSON, HTML-escaped
-    if report is None:
-        raise BuildError(f"{source.name}: the overflow check got no report from {chromium} "
-                         f"(exit {done.returncode}):\n{done.stderr.strip()[-2000:]}")
-    measured = json.loads(html_lib.unescape(report.group(1)))
+    done = subprocess.run(["node", str(HERE / "overflow.mjs"), chromium, str(bare)],
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise BuildError(f"{source.name}: the overflow check failed (exit {done.returncode}):\n"
+                         f"{done.stderr.strip()[-2000:]}")
+    measured = json.loads(done.stdout)
     return measured["pages"], measured["overflows"]
 
 

@@ -1,13 +1,12 @@
-// Measures every page of a Marp deck (built with `--template bare`) once the page has loaded,
-// images included, and appends its findings to the page as JSON, in a pre element "overflow-report".
-// slides/build.py injects this script, reads the DOM back from headless Chromium (--dump-dom)
-// and fails the build on any finding, naming the deck and the page.
+// measureOverflow(): every page of a Marp deck (built with `--template bare`) measured as laid
+// out, for slides/build.py's overflow check (overflow.mjs loads a deck in headless Chromium, waits
+// until Marp's own script has scaled wide code blocks, and calls this).
 //
 // A page overflows when any element of its content starts above the slide, runs past its left or
 // right edge, or ends below the footer line: the top of the footer or of the page number,
 // whichever is higher (the slide's bottom on a page with neither). The section clips what is
 // outside it, so such content is simply missing from the projected slide, or drawn over the footer.
-addEventListener("load", () => {
+function measureOverflow() {
   const slack = 1;  // px: sub-pixel rounding is not an overflow
   const pages = [];
   for (const section of document.querySelectorAll("section[id]")) {  // bg layers have no id
@@ -48,9 +47,5 @@ addEventListener("load", () => {
     }));
     if (findings.length) pages.push({page: Number(section.id), findings});
   }
-  const report = document.createElement("pre");
-  report.id = "overflow-report";
-  report.textContent = JSON.stringify({pages: document.querySelectorAll("section[id]").length,
-                                       overflows: pages});
-  document.body.append(report);
-});
+  return {pages: document.querySelectorAll("section[id]").length, overflows: pages};
+}
