@@ -25,8 +25,7 @@ the slide is projected without it.
 
 Any problem (a tagged cell without a PNG or without markdown, a deck pointing at a figure or an
 output nobody produced, Marp failing, a page overflowing) is reported with the file it concerns,
-and the exit status
-is non-zero.
+and the exit status is non-zero.
 """
 from __future__ import annotations
 
