@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-DIRECTIVE = re.compile(r"^<!--\s*course-map\s*-->\s*$", re.MULTILINE)
+DIRECTIVE = re.compile(r"^<!--\s*course-map\s*-->[ \t]*$", re.MULTILINE)
 
 # The request path, in the order a request meets it; each chapter names the stations it changes.
 PATH = ["request", "result cache", "prefix cache", "scheduler", "prefill", "KV blocks", "decode", "answer"]

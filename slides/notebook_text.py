@@ -12,7 +12,7 @@ from pathlib import Path
 
 import nbformat
 
-DIRECTIVE = re.compile(r"^<!--\s*output:\s*(?:(\d\d)\s+)?([A-Za-z0-9_-]+)\s*-->\s*$", re.MULTILINE)
+DIRECTIVE = re.compile(r"^<!--\s*output:\s*(?:(\d\d)\s+)?([A-Za-z0-9_-]+)\s*-->[ \t]*$", re.MULTILINE)
 TAG_PREFIX = "slide-text:"
 
 

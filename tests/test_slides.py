@@ -199,6 +199,14 @@ def test_notebook_text_puts_the_cells_printed_sentence_on_the_slide(tmp_path):
         text.expand("<!-- output: speed -->", "10", tmp_path)
 
 
+def test_notebook_text_keeps_the_blank_line_before_the_next_slide(tmp_path):
+    """Without it, the printed sentence followed by ``---`` would render as a heading and swallow the next slide."""
+    text = load_notebook_text()
+    write_text_notebook(tmp_path / "05_x.ipynb", "slide-text:stall", "The worst gap is 43x a typical step.")
+    out = text.expand("## Stall\n\n<!-- output: stall -->\n\n---\n\n## Next\n", "05", tmp_path)
+    assert "43x a typical step.\n\n---\n" in out
+
+
 def test_notebook_text_without_its_cell_or_output_is_an_error(project):
     root, _ = project
     need_marp()
