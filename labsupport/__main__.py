@@ -92,12 +92,11 @@ def main(argv=None):
         print(prepare_default_model())
         import torch
         if not torch.cuda.is_available():  # build the CPU kernels now, not in a chapter's first cell
-            from .engine import cpu_attention
-            from .models import cpu_kernels
+            from .kernels import cpu_attention, cpu_ops
             print("building the CPU kernels (once per machine, about a minute) ...", flush=True)
             built, why_not = cpu_attention.available()
             print("CPU attention kernels: built" if built else f"{why_not}; engines will keep the PyTorch gather")
-            built, why_not = cpu_kernels.build()
+            built, why_not = cpu_ops.build()
             print("CPU model kernels: built" if built else f"{why_not}; the model keeps PyTorch's code")
             from .engine import cpu_decode_layers
             built, why_not = cpu_decode_layers.available()

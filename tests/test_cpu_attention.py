@@ -1,4 +1,4 @@
-"""The CPU's compiled attention kernels (``engine/cpu_attention.py``: decode; ``cpu_prefill.py``: prefill) against
+"""The CPU's compiled attention kernels (``kernels/cpu_attention.py``: decode and prefill) against
 the PyTorch paths (the decode rows' gather, the prompts' one-at-a-time flash attention).
 
 It needs a C++ compiler; where none is found the kernel is unavailable and these tests skip,
@@ -13,7 +13,7 @@ import torch
 
 from labsupport import LLM, SamplingParams
 from labsupport.bench.gpu_decode import random_decode_case as random_case
-from labsupport.engine import cpu_attention
+from labsupport.kernels import cpu_attention
 from labsupport.engine.paged_attention import PagedAttention, paged_decode_attention
 
 from conftest import PROMPTS
@@ -52,8 +52,10 @@ def test_non_contiguous_queries_and_other_dtypes(kernel):
     strided = torch.cat([q, q], dim=-1)[..., :64]  # a view with a row stride twice its width, as a split leaves it
     torch.testing.assert_close(kernel(strided, k, v, rows, 16), paged_decode_attention(q, k, v, rows, 16),
                                atol=1e-5, rtol=1e-5)
-    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()  # not the kernel's type: the PyTorch path answers
-    assert torch.equal(kernel(qb, kb, vb, rows, 16), paged_decode_attention(qb, kb, vb, rows, 16))
+    # not the kernels' type: the backend keeps the PyTorch paths
+    assert cpu_attention.kernel_applies(torch.float32, 64) and not cpu_attention.kernel_applies(torch.bfloat16, 64)
+    bf16 = PagedAttention(1, 4, 16, 3, 64, torch.bfloat16, "cpu", cpu_kernel=True)
+    assert bf16.decode_attention is paged_decode_attention and bf16.prefill_kernel is None
 
 
 def test_engine_with_the_kernel_gives_the_same_tokens_and_frees_every_block(kernel, llm):
@@ -113,8 +115,11 @@ def test_peaked_and_flat_softmax(kernel):
 
 
 def test_head_sizes_off_the_vector_width_take_the_gather(kernel):
+    """The backend chooses when it is built: heads of 24 floats are no whole number of vectors."""
+    backend = PagedAttention(1, 4, 16, 2, 24, torch.float32, "cpu", cpu_kernel=True)
+    assert backend.decode_attention is paged_decode_attention and backend.prefill_kernel is None
     q, k, v, rows = random_case([5, 21], 4, 2, 24, 16, torch.float32, seed=6)
-    assert torch.equal(kernel(q, k, v, rows, 16), paged_decode_attention(q, k, v, rows, 16))
+    assert torch.equal(backend.decode_attention(q, k, v, rows, 16), paged_decode_attention(q, k, v, rows, 16))
 
 
 def mixed_step(heads, kv_heads, head_dim, block_size, seed=0, dtype=torch.float32):

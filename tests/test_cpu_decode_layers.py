@@ -29,7 +29,7 @@ def eager(llm):
 def test_the_same_tokens_and_logprobs_as_the_python_layers(built, llm, eager):
     layers = llm.engine.runner.cpu_layers
     assert layers is not None and eager.engine.runner.cpu_layers is None
-    from labsupport.models import cpu_products
+    from labsupport.kernels import cpu_products
     thin = cpu_products.thin_rows()  # the rows the C++ layers take: 3 with AVX-512, 2 with AVX2
     for batch in (1, 2, 3, 5):
         before = layers.num_steps

@@ -1,4 +1,4 @@
-"""The model's compiled CPU kernels (``models/cpu_kernels.py``, ``models/cpu_products.py``): RoPE bit-identical
+"""The model's compiled CPU kernels (``kernels/cpu_ops.py``, ``kernels/cpu_products.py``): RoPE bit-identical
 to ``apply_rope``, RMSNorm and SiLU-and-multiply and the thin and panel products equal to their PyTorch
 reference to float32 rounding, and a whole engine giving the same tokens without them.
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from labsupport import SamplingParams
-from labsupport.models import cpu_kernels, cpu_products
+from labsupport.kernels import build as builder, cpu_ops, cpu_products
 from labsupport.models.llama import ModelConfig, RMSNorm, apply_rope, product, rope_frequencies, rope_qk
 
 from conftest import PROMPTS
@@ -17,7 +17,7 @@ from conftest import PROMPTS
 
 @pytest.fixture(scope="module")
 def built():
-    ok, why_not = cpu_kernels.build()
+    ok, why_not = cpu_ops.build()
     if not ok:
         pytest.skip(why_not)
 
@@ -43,7 +43,7 @@ def test_rope_is_bit_identical_to_apply_rope(built, tokens, heads, kv_heads, hea
     cos, sin = angles(positions, head_dim, {"rope_type": "yarn", "factor": 4.0,
                                             "original_max_position_embeddings": 8192})
     before = qkv.clone()
-    got_q, got_k = cpu_kernels.cpu_rope_qk(q, k, cos, sin)
+    got_q, got_k = cpu_ops.cpu_rope_qk(q, k, cos, sin)
     assert torch.equal(got_q, apply_rope(q, cos, sin)) and torch.equal(got_k, apply_rope(k, cos, sin))
     assert got_q.is_contiguous() and got_k.is_contiguous()
     assert torch.equal(qkv, before)  # its inputs are left as they were
@@ -54,12 +54,12 @@ def test_rope_declines_what_it_cannot_do(built):
     q = torch.randn(3, 4, 32, requires_grad=True)
     k = torch.randn(3, 2, 32)
     cos, sin = angles(torch.arange(3), 32)
-    assert cpu_kernels.cpu_rope_qk(q, k, cos, sin) is None
+    assert cpu_ops.cpu_rope_qk(q, k, cos, sin) is None
     rq, rk = rope_qk(q, k, cos, sin)
     rq.sum().backward()
     assert q.grad is not None and torch.equal(rk, apply_rope(k, cos, sin))
     half = (q.detach().bfloat16(), k.bfloat16(), cos.bfloat16(), sin.bfloat16())
-    assert cpu_kernels.cpu_rope_qk(*half) is None
+    assert cpu_ops.cpu_rope_qk(*half) is None
 
 
 @pytest.mark.parametrize("n, k", [(960, 576), (3072, 576), (576, 1536), (49152, 576), (8, 16)])
@@ -158,7 +158,7 @@ def test_rms_norm_equals_the_reference(built, rows, features):
         reference = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
         with torch.inference_mode():
             got = norm(x)
-            assert torch.equal(got, cpu_kernels.cpu_rms_norm(x, norm.weight, norm.eps))  # the kernel's path
+            assert torch.equal(got, cpu_ops.cpu_rms_norm(x, norm.weight, norm.eps))  # the kernel's path
         torch.testing.assert_close(got, reference.detach(), rtol=1e-6, atol=0)
         assert torch.equal(norm(x), reference)  # autograd watching the weight: F.rms_norm, bit for bit
 
@@ -171,10 +171,10 @@ def test_silu_mul_equals_the_reference(built):
         gate_up[0, :6] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-8, -200.0])
         gate, up = gate_up.double().chunk(2, dim=-1)
         want = torch.nn.functional.silu(gate) * up
-        torch.testing.assert_close(cpu_kernels.cpu_silu_mul(gate_up).double(), want, rtol=2e-6, atol=1e-30)
-    assert cpu_kernels.cpu_silu_mul(torch.randn(2, 8, requires_grad=True)) is None  # autograd: PyTorch's path
-    assert cpu_kernels.cpu_silu_mul(torch.randn(2, 8).bfloat16()) is None
-    assert cpu_kernels.cpu_rms_norm(torch.randn(2, 8).bfloat16(), torch.ones(8).bfloat16(), 1e-5) is None
+        torch.testing.assert_close(cpu_ops.cpu_silu_mul(gate_up).double(), want, rtol=2e-6, atol=1e-30)
+    assert cpu_ops.cpu_silu_mul(torch.randn(2, 8, requires_grad=True)) is None  # autograd: PyTorch's path
+    assert cpu_ops.cpu_silu_mul(torch.randn(2, 8).bfloat16()) is None
+    assert cpu_ops.cpu_rms_norm(torch.randn(2, 8).bfloat16(), torch.ones(8).bfloat16(), 1e-5) is None
 
 
 def test_an_engine_gives_the_same_tokens_without_the_kernel(built, llm, monkeypatch):
@@ -182,7 +182,7 @@ def test_an_engine_gives_the_same_tokens_without_the_kernel(built, llm, monkeypa
     no token, and logprobs only in float32's last places (they sum in another order than oneDNN)."""
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=2)
     with_kernels = [llm.generate(PROMPTS[:b], params, use_tqdm=False) for b in (1, 3, 5, 10)]
-    monkeypatch.setitem(cpu_kernels._built, "cpu_model_kernels", (None, "switched off by the test"))
+    monkeypatch.setitem(builder._built, cpu_ops.NAME, (None, "switched off by the test"))
     without = [llm.generate(PROMPTS[:b], params, use_tqdm=False) for b in (1, 3, 5, 10)]
     for a, b in zip(sum(with_kernels, []), sum(without, [])):
         assert a.token_ids == b.token_ids
@@ -197,25 +197,26 @@ def test_the_other_instruction_sets_compute_the_same(built, vectors):
     the compiler's portable vectors. Both are built here from the same sources and checked like the default."""
     import platform
     from torch.utils.cpp_extension import load_inline
-    from labsupport.engine import cpu_attention
     from labsupport.engine.paged_attention import paged_decode_attention
     from labsupport.bench.gpu_decode import random_decode_case
     if vectors == "avx2" and platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("AVX2 is x86's")
     flags = ["-O3", "-fopenmp"] + (["-mavx2", "-mfma"] if vectors == "avx2" else [])
     model = load_inline(f"labsupport_test_model_{vectors}",
-                        cpp_sources=[cpu_kernels.SOURCE + cpu_products.SOURCE],
+                        cpp_sources=builder.sources(["model_ops.cpp", "products.cpp"]),
                         functions=["rms_norm", "silu_mul", "thin_product", "panel_product", "vector_width"],
-                        extra_cflags=flags + ["-ffp-contract=off"], extra_ldflags=["-fopenmp"])
-    from labsupport.engine.cpu_prefill import PREFILL_SOURCE
-    decode = load_inline(f"labsupport_test_attention_{vectors}", cpp_sources=[cpu_attention.SOURCE + PREFILL_SOURCE],
-                         functions=["paged_decode", "paged_prefill"], extra_cflags=flags, extra_ldflags=["-fopenmp"])
+                        extra_cflags=flags + ["-ffp-contract=off"], extra_ldflags=["-fopenmp"],
+                        extra_include_paths=[str(builder.CSRC)])
+    decode = load_inline(f"labsupport_test_attention_{vectors}",
+                         cpp_sources=builder.sources(["paged_decode.cpp", "paged_prefill.cpp"]),
+                         functions=["paged_decode", "paged_prefill"], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                         extra_include_paths=[str(builder.CSRC)])
     width = 2 * model.vector_width()
     assert width == 16
     x, weight = torch.randn(3, 40) * 3, torch.randn(40)  # 40: two vectors and a tail of 8 with AVX-512, 5 with AVX2
-    torch.testing.assert_close(model.rms_norm(x, weight, 1e-5), cpu_kernels.cpu_rms_norm(x, weight, 1e-5),
+    torch.testing.assert_close(model.rms_norm(x, weight, 1e-5), cpu_ops.cpu_rms_norm(x, weight, 1e-5),
                                rtol=1e-6, atol=0)
-    torch.testing.assert_close(model.silu_mul(x), cpu_kernels.cpu_silu_mul(x), rtol=1e-6, atol=1e-30)
+    torch.testing.assert_close(model.silu_mul(x), cpu_ops.cpu_silu_mul(x), rtol=1e-6, atol=1e-30)
     torch.manual_seed(1)
     for n, k in [(960, 576), (576, 1536), (64, 40)]:
         weight, bias = torch.randn(n, k) * 0.05, torch.randn(n)

@@ -38,8 +38,8 @@ def add_arguments(p):
     p.add_argument("--vllm-timeout", type=float, default=1800, help="seconds before the vLLM run is abandoned")
     p.add_argument("--no-roofline", action="store_true", help="skip the roofline measurement (~10 s)")
     p.add_argument("--cpu-decode-kernel", action=argparse.BooleanOptionalAction, default=True,
-                   help="our engine reads K/V in place with the compiled C++ kernels (engine/cpu_attention.py, "
-                        "cpu_prefill.py; the default); --no-cpu-decode-kernel measures the PyTorch paths")
+                   help="our engine reads K/V in place with the compiled C++ kernels (kernels/cpu_attention.py; "
+                        "the default); --no-cpu-decode-kernel measures the PyTorch paths")
 
 
 def _split(value: str, allowed, what: str) -> list[str]:

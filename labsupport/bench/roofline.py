@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..models import cpu_kernels
+from ..kernels import cpu_ops
 from ..models.llama import ModelConfig
 from ..models.products import pack_weight, packed_copy, product
 
@@ -104,7 +104,7 @@ def _bandwidth_seconds(min_time: float) -> tuple[float, float]:
 
 def _linear_seconds(x, w, min_time: float) -> float:
     """Best time of ``x @ w.T``: ``F.linear``, or what our engine runs (``products.product``: the C++ kernels
-    for up to 128 rows, ``cpu_products.py``, oneDNN beyond, on the copy ``pack_cpu_weights`` would make)."""
+    for up to 128 rows, ``kernels/cpu_products.py``, oneDNN beyond, on the copy ``pack_cpu_weights`` would make)."""
     seconds = _best_seconds(lambda: F.linear(x, w), min_time)
     packed = pack_weight(w, packed_copy(w))
     if packed is not None:
@@ -117,7 +117,7 @@ def measure(folder, quick: bool = False, dtypes=("fp32", "bf16")) -> dict:
     min_time = 0.04 if quick else 0.3
     facts = model_facts(folder)
     if not torch.cuda.is_available():  # time the products our CPU engine runs (built once; else PyTorch's)
-        cpu_kernels.build()
+        cpu_ops.build()
     read_s, copy_s = _bandwidth_seconds(min_time * 2)
     rates = {}
     for name in dtypes:

@@ -60,8 +60,8 @@ class EngineConfig:
     quantization: str | None = None  # chapter 09: weight-only "int8" (per channel) or "int4" (groups of 32)
     detokenize: bool = True  # False: text and stop strings are the caller's (the server's frontend process does
     # them for its engine-core process, as vLLM V1's API server does); the engine gives token ids only
-    cpu_decode_kernel: bool = True  # CPU, paged: attention read in place by compiled C++ kernels, the decode
-    # rows' (engine/cpu_attention.py) and, in float32, the prefills' (engine/cpu_prefill.py)
+    cpu_decode_kernel: bool = True  # CPU, paged, float32: attention read in place by compiled C++ kernels, the
+    # decode rows' and the prefills' (kernels/cpu_attention.py)
 
     def __post_init__(self):
         if self.kv_cache not in ("paged", "contiguous", "none"):

@@ -1,13 +1,13 @@
 """Decode steps of one to three sequences on the CPU with each layer in one C++ call: the CPU's ``DecodeGraphs``.
 
-At batch 1 a decode step is mostly reading the weights (the thin products, ``models/cpu_products.py``), and
+At batch 1 a decode step is mostly reading the weights (the thin products, ``kernels/cpu_products.py``), and
 around them each layer makes about twenty Python calls: module calls, the norm, RoPE and SiLU kernels, the
 K/V writes, splits and views, the attention. Each costs one to a few microseconds, and more in a real step
 than alone, because the weights streaming through the caches evict the interpreter's state: together they
 are a large share of a batch-1 step (``benchmarks/README.md``: the breakdown, and what this file bought).
 A GPU removes the same overhead by replaying a CUDA graph (``cuda_graphs.py``); a CPU has no graphs, so
-``decode_layer`` below calls the very kernels the Python layer calls, in the same order, from C++: one call
-per layer instead of twenty, the same tokens and logprobs.
+``decode_layer`` (``kernels/csrc/decode_layer.cpp``) calls the very kernels the Python layer calls, in the
+same order, from C++: one call per layer instead of twenty, the same tokens and logprobs.
 
 The Python model (``models/llama.py``) stays the one description of the layer; this is a faster way to run
 it, for the steps where nothing else may need to see inside a layer, and it steps aside otherwise:
@@ -26,41 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from ..models import cpu_kernels, cpu_products
+from ..kernels import cpu_attention, cpu_products
+from ..kernels.build import compile_extension
 from ..models.llama import LlamaForCausalLM, stacked_current
 from ..models.products import Linear
-from . import cpu_attention
-
-LAYER_SOURCE = r"""
-// One decoder layer for B decode tokens (B <= 3): the Python layer's calls, in its order, from C++.
-// x [B, hidden] -> x + attention + MLP; writes the B new tokens' K/V into their slots of the [Hkv, slots, D] pools.
-torch::Tensor decode_layer(torch::Tensor x, torch::Tensor ln1, torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_b,
-                           torch::Tensor o_w, torch::Tensor ln2, torch::Tensor gate_up_w, torch::Tensor down_w,
-                           double eps, int64_t heads, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_pool,
-                           torch::Tensor v_pool, torch::Tensor slots, torch::Tensor block_tables,
-                           torch::Tensor context_lens, int64_t block_size) {
-  const int64_t B = x.size(0), Hkv = k_pool.size(0), S = k_pool.size(1), D = k_pool.size(2);
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && slots.numel() == B
-              && slots.scalar_type() == torch::kLong, "decode_layer: unexpected inputs");
-  auto qkv = thin_product(rms_norm(x, ln1, eps), qkv_w, qkv_b);
-  auto q = qkv.narrow(1, 0, heads * D).view({B, heads, D});
-  auto k = qkv.narrow(1, heads * D, Hkv * D).view({B, Hkv, D});
-  auto v = qkv.narrow(1, (heads + Hkv) * D, Hkv * D).view({B, Hkv, D});
-  auto rotated = rope_qk(q, k, cos, sin);
-  const int64_t *slot = slots.data_ptr<int64_t>();
-  const float *kr = rotated[1].data_ptr<float>();
-  float *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t g = 0; g < Hkv; ++g) {
-      std::memcpy(kp + (g * S + slot[b]) * D, kr + (b * Hkv + g) * D, D * sizeof(float));
-      std::memcpy(vp + (g * S + slot[b]) * D, v[b][g].data_ptr<float>(), D * sizeof(float));
-    }
-  auto out = paged_decode(rotated[0], k_pool, v_pool, block_tables, context_lens, block_size, 1.0 / std::sqrt((double)D));
-  x = x + thin_product(out.view({B, heads * D}), o_w, c10::nullopt);
-  auto activated = silu_mul(thin_product(rms_norm(x, ln2, eps), gate_up_w, c10::nullopt));
-  return x + thin_product(activated, down_w, c10::nullopt);
-}
-"""
 
 _module = None
 _why_not: str | None = None
@@ -74,13 +43,12 @@ def _bump(*_):
 
 def available() -> tuple[bool, str]:
     """Build (or load the cached build of) the layer once per process, with the kernels it calls: (True, "") or
-    (False, why not). The model kernels' flags (``-ffp-contract=off``) for all of it, as ``cpu_kernels.build``."""
+    (False, why not). The model kernels' flags (``-ffp-contract=off``) for all of it, as ``cpu_ops.build``."""
     global _module, _why_not
     if _module is None and _why_not is None:
-        vectors = cpu_kernels.VECTORS
-        source = cpu_kernels.SOURCE + cpu_products.SOURCE + cpu_attention.SOURCE[len(vectors):] + LAYER_SOURCE
-        _module, why_not = cpu_kernels.compile_cpu_extension("cpu_decode_layer", "the CPU decode layer", source,
-                                                             ["decode_layer"], ["-ffp-contract=off"])
+        files = ["model_ops.cpp", "products.cpp", "paged_decode.cpp", "decode_layer.cpp"]
+        _module, why_not = compile_extension("cpu_decode_layer", "the CPU decode layer", files, ["decode_layer"],
+                                             ["-ffp-contract=off"])
         _why_not = why_not or None
     return _module is not None, _why_not or ""
 

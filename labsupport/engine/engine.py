@@ -16,8 +16,8 @@ import logging
 import time
 import torch
 
+from ..kernels import cpu_ops
 from ..models.loader import load_model, resolve_device
-from ..models import cpu_kernels
 from . import build, cpu_memory
 from .config import EngineConfig
 from .cpu_decode_layers import CpuDecodeLayers
@@ -39,7 +39,7 @@ class LLMEngine(PlugPoints):
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":  # activations reuse their pages instead of faulting fresh ones in each step
             cpu_memory.keep_freed_memory()
-            cpu_kernels.build()  # RoPE and products in C++ (models/cpu_kernels.py); else PyTorch's
+            cpu_ops.build()  # RoPE and products in C++ (kernels/cpu_ops.py); else PyTorch's
         self.model, self.tokenizer, self.model_path = load_model(config.model, self.device, config.dtype)
         self.quantization_report = None  # chapter 09: weights quantized before memory is sized and graphs captured
         if config.quantization is not None:

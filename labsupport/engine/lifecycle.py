@@ -9,19 +9,47 @@ connector adds the two other ways a request's blocks change hands: its prompt KV
 engine (``start_remote_load``, then ``poll_connector`` when it landed) and its blocks held after it
 finished until another engine has pulled them. vLLM keeps both halves in one ``Scheduler`` class
 (``v1/core/sched/scheduler.py``: ``update_from_output``, ``_update_waiting_for_remote_kv``); here they
-are split so each file holds one idea.
+are split so each file holds one idea. ``SchedulerOutput``, the record of one step that both halves
+read and write, lives here, in the lower of the two files (``scheduler.py`` imports it from here).
 """
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 from .kv_cache_manager import PrefixHit
 from .request import Request, RequestStatus
 from .spec_decode import count_verification
 
-if TYPE_CHECKING:
-    from .scheduler import SchedulerOutput
+
+@dataclass
+class SchedulerOutput:
+    """One step: what the scheduler chose and, once the step has run, what came of it.
+
+    The engine keeps the last one as ``engine.last_step``: timelines and tests read the engine's
+    own record of a step instead of reconstructing it.
+    """
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens each request feeds this step
+    is_prefill: list[bool] = field(default_factory=list)  # feeding prompt (or recomputed) tokens, not one decode
+    prefix_hit_tokens: dict[str, int] = field(default_factory=dict)  # admitted this step -> tokens reused
+    preempted: list[Request] = field(default_factory=list)  # sent back to the queue this step
+    running: list[str] = field(default_factory=list)  # after scheduling: the batch's slots, oldest first
+    waiting: list[str] = field(default_factory=list)  # still queued, head first
+    finished: list[Request] = field(default_factory=list)  # left during this step (filled as it runs)
+    index: int = -1  # step number in the engine's life
+    start: float = 0.0  # time.perf_counter() before scheduling
+    end: float = 0.0  # after the step's tokens were detokenized
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def scheduled(self) -> dict[str, tuple[int, bool]]:
+        """request id -> (tokens fed, was it prefill)."""
+        return {r.request_id: (n, p) for r, n, p in zip(self.requests, self.num_new_tokens, self.is_prefill)}
 
 
 class RequestLifecycle:

@@ -12,11 +12,11 @@ Reading takes two paths, because a step mixes two very different kinds of rows:
   prompt attends to its own keys with the causal rule and reads nothing from the pool; a chunk
   or a prompt with a cached prefix gathers its context first. (On the CPU in float32 a C++ kernel
   serves every prefill sequence of the step in one call instead, reading the pool in place:
-  ``cpu_prefill.py``; ``PrefillSeqs`` is what it is given.)
+  ``kernels/cpu_attention.py``; ``PrefillSeqs`` is what it is given.)
 
 So a decode row never pads to the longest prompt of the step. The gather is the price of staying
 in plain PyTorch: a GPU kernel reads the blocks in place (``triton_attention.py``), as does a
-small C++ kernel on the CPU if asked for (``cpu_attention.py``), and the block-size trade-off in
+small C++ kernel on the CPU if asked for (``kernels/cpu_attention.py``), and the block-size trade-off in
 chapter 02 measures the difference.
 
 Pool layout, per layer: ``[num_kv_heads, num_blocks * block_size, head_dim]``, slot ``s`` =
@@ -46,7 +46,7 @@ class DecodeRows:
 
 @dataclass
 class PrefillSeqs:
-    """Every prefill sequence of a step, for a kernel that serves them in one call (``cpu_attention.py``)."""
+    """Every prefill sequence of a step, for a kernel that serves them in one call (``kernels/cpu_attention.py``)."""
 
     block_tables: torch.Tensor  # [S, max_blocks] (padded with block 0)
     starts: torch.Tensor        # [S] first row of each in the flat batch
@@ -113,13 +113,12 @@ class PagedAttention(AttentionBackend):
             if triton_attention.available(device):
                 self.decode_attention = triton_attention.triton_decode_attention
         elif cpu_kernel:  # the CPU's in-place read, a compiled C++ kernel (where a C++ compiler built it)
-            from . import cpu_attention
-            if cpu_attention.available()[0]:
-                self.decode_attention = cpu_attention.cpu_decode_attention
-                if cpu_attention.prefill_kernel_applies(dtype, head_dim):
-                    self.prefill_kernel = cpu_attention.cpu_prefill_attention
-            else:
+            from ..kernels import cpu_attention
+            if not cpu_attention.available()[0]:
                 cpu_attention.warn_once_not_built()
+            elif cpu_attention.kernel_applies(dtype, head_dim):  # float32, whole vectors; else the gather
+                self.decode_attention = cpu_attention.cpu_decode_attention
+                self.prefill_kernel = cpu_attention.cpu_prefill_attention
         # one block past the allocator's: CUDA graphs' padding rows write there (cuda_graphs.py)
         self.scratch_slot = num_blocks * block_size if scratch_block else None
         self.connector = None  # chapter 07: a KV connector's per-layer hooks run around each layer's attention

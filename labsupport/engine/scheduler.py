@@ -28,42 +28,11 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVManager, PrefixHit
-from .lifecycle import RequestLifecycle
+from .lifecycle import RequestLifecycle, SchedulerOutput
 from .request import Request, RequestStatus
 from .spec_decode import spec_counters
-
-
-@dataclass
-class SchedulerOutput:
-    """One step: what the scheduler chose and, once the step has run, what came of it.
-
-    The engine keeps the last one as ``engine.last_step``: timelines and tests read the engine's
-    own record of a step instead of reconstructing it.
-    """
-
-    requests: list[Request] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)  # tokens each request feeds this step
-    is_prefill: list[bool] = field(default_factory=list)  # feeding prompt (or recomputed) tokens, not one decode
-    prefix_hit_tokens: dict[str, int] = field(default_factory=dict)  # admitted this step -> tokens reused
-    preempted: list[Request] = field(default_factory=list)  # sent back to the queue this step
-    running: list[str] = field(default_factory=list)  # after scheduling: the batch's slots, oldest first
-    waiting: list[str] = field(default_factory=list)  # still queued, head first
-    finished: list[Request] = field(default_factory=list)  # left during this step (filled as it runs)
-    index: int = -1  # step number in the engine's life
-    start: float = 0.0  # time.perf_counter() before scheduling
-    end: float = 0.0  # after the step's tokens were detokenized
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    @property
-    def scheduled(self) -> dict[str, tuple[int, bool]]:
-        """request id -> (tokens fed, was it prefill)."""
-        return {r.request_id: (n, p) for r, n, p in zip(self.requests, self.num_new_tokens, self.is_prefill)}
 
 
 def chunk_rule(num_remaining: int, budget_left: int, enable_chunked_prefill: bool,

@@ -44,24 +44,24 @@ def enabled(device: torch.device, dtype: torch.dtype, folder: Path) -> bool:
 
 def cache_key(folder: Path, stamp: tuple, tied: bool) -> str:
     """What the saved forms depend on: the checkpoint (path, sizes, times), the layout, torch and the kernels."""
-    from . import cpu_products
+    from ..kernels import cpu_products
     parts = (LAYOUT_VERSION, str(folder.resolve()), stamp, tied, torch.__version__, cpu_products.panel_width(),
              cpu_products.thin_rows())
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
 
-def cache_file(folder: Path, key: str) -> Path:
-    from .loader import cache_dir
+def cache_file(cache: Path, folder: Path, key: str) -> Path:
+    """The file of ``folder``'s forms under ``cache`` (``loader.cache_dir()``, which imports this file)."""
     where = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:8]
-    return cache_dir() / "cpu-weights" / f"{folder.name}-{where}-{key}.pt"
+    return cache / "cpu-weights" / f"{folder.name}-{where}-{key}.pt"
 
 
-def ensure(folder: Path, stamp: tuple, tied: bool, build) -> bool:
+def ensure(cache: Path, folder: Path, stamp: tuple, tied: bool, build) -> bool:
     """Make the file of ``folder`` if it is missing, from ``build()`` (a model built the ordinary way, whose
     ``shared_weights`` are saved and then dropped); True if the file is there now. A file that cannot be
     written (a full disk, a read-only cache, oneDNN's layouts) is not tried again by this process: it
     loads as before."""
-    path = cache_file(folder, cache_key(folder, stamp, tied))
+    path = cache_file(cache, folder, cache_key(folder, stamp, tied))
     if path.exists() or path in unsavable:
         return path.exists()
     try:

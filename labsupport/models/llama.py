@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_kernels
+from ..kernels import cpu_ops
 from .products import Linear, product
 
 
@@ -131,10 +131,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """``apply_rope`` to q and k; on a GPU one Triton kernel does both (``fused_kernels.py``), on a CPU one C++
-    loop once the engine has built it (``cpu_kernels.py``: bit-identical, a millisecond off a decode step)."""
+    loop once the engine has built it (``kernels/cpu_ops.py``: bit-identical, a millisecond off a decode step)."""
     if q.is_cuda and _gpu_kernels() is not None and q.shape[-1] in (16, 32, 64, 128, 256):
         return _gpu_kernels().triton_rope_qk(q, k, cos, sin)
-    rotated = cpu_kernels.cpu_rope_qk(q, k, cos, sin)  # None where it does not apply (a GPU, bf16, autograd)
+    rotated = cpu_ops.cpu_rope_qk(q, k, cos, sin)  # None where it does not apply (a GPU, bf16, autograd)
     return rotated if rotated is not None else (apply_rope(q, cos, sin), apply_rope(k, cos, sin))
 
 
@@ -153,10 +153,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One fused operator instead of six: on an H200 decode step of an 8B model 12 % faster; on the 2-core CPU
         # 10 instead of 20 us per call at one token (61 calls a step); in float32 its output is bit-identical to
-        # the lines below. On the CPU in float32 a C++ pass is faster again (1-2 us; cpu_kernels.py), equal to
+        # the lines below. On the CPU in float32 a C++ pass is faster again (1-2 us; kernels/cpu_ops.py), equal to
         # them within 1e-6 relative; in bf16 the lines below round like the reference.
         if x.dtype == torch.float32 and not x.is_cuda:
-            normed = cpu_kernels.cpu_rms_norm(x, self.weight, self.eps)
+            normed = cpu_ops.cpu_rms_norm(x, self.weight, self.eps)
             if normed is not None:
                 return normed
         if x.is_cuda or x.dtype == torch.float32:
@@ -213,7 +213,7 @@ class MLP(nn.Module):
             if x.is_cuda and _gpu_kernels() is not None:
                 return self.down_proj(_gpu_kernels().triton_silu_mul(F.linear(x, self.gate_up)))
             gate_up = product(x, self.gate_up, None, self.gate_up_packed)
-            activated = cpu_kernels.cpu_silu_mul(gate_up)
+            activated = cpu_ops.cpu_silu_mul(gate_up)
             if activated is None:
                 gate, up = gate_up.chunk(2, dim=-1)
                 activated = F.silu(gate) * up

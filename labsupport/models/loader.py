@@ -167,7 +167,8 @@ def shared_weights(folder: Path, device: torch.device, dtype: torch.dtype, tied:
     weights = _WEIGHTS.get(key)
     if weights is None:
         weights = SharedWeights()
-        path = cpu_weights.cache_file(folder, cpu_weights.cache_key(folder, stamp, tied)) if mapped else None
+        path = cpu_weights.cache_file(cache_dir(), folder, cpu_weights.cache_key(folder, stamp, tied)) if mapped \
+            else None
         saved = cpu_weights.load(path) if mapped else None
         if saved is not None:
             weights.update(saved[0])
@@ -216,7 +217,8 @@ def load_model(model=None, device="auto", dtype="auto"):
     dtype = resolve_dtype(dtype, device)
     cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
     mapped = cpu_weights.enabled(device, dtype, folder) and cpu_weights.ensure(
-        folder, checkpoint_stamp(folder), cfg.tie_word_embeddings, lambda: _assemble(folder, cfg, device, dtype, False))
+        cache_dir(), folder, checkpoint_stamp(folder), cfg.tie_word_embeddings,
+        lambda: _assemble(folder, cfg, device, dtype, False))
     net = _assemble(folder, cfg, device, dtype, mapped)
     return net.eval(), load_tokenizer(folder), folder
 

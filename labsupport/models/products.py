@@ -5,7 +5,7 @@ the fastest path depends on how many rows ``x`` has (measured, the model's produ
 and whole decode steps: ``benchmarks/README.md``):
 
 * **1-3 rows** (a decode step of one to three sequences): the C++ kernel that streams each weight row
-  once (``cpu_products.thin_product``), reading the plain weight.
+  once (``kernels/cpu_products.thin_product``), reading the plain weight.
 * **4-128 rows** (decode steps of a batch, short chunks): the C++ panel kernel (``cpu_products.panel_product``)
   on a copy of the weight re-laid as panels, made once when the model loads (``pack_cpu_weights``). It
   keeps a 12 x 32 block of sums in registers, and beats oneDNN's own packed copy, which packs for 32
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_products
+from ..kernels import cpu_products
 
 # oneDNN's fp32 matmul, where this torch build has it (x86 CPUs): faster than the default BLAS path,
 # the 49152-wide LM head of a decode step most (benchmarks/README.md has the figures). Only where it
@@ -96,8 +96,8 @@ def pack_cpu_weights(model: nn.Module, cache: dict):
     every engine of the model uses the same copies. Matrices stacked by ``fuse_projections`` are packed as
     the stack. A weight written or replaced afterwards is noticed (its version or address changes) and its
     product goes back to the plain path. The layout is chosen by what is built now: the engine builds the
-    C++ kernels before it loads the model."""
-    from .llama import MLP, Attention  # the model's modules; llama imports this file
+    C++ kernels before it loads the model. The model's stacks are found by their attributes (``llama.Attention``'s
+    ``qkv``, ``llama.MLP``'s ``gate_up``), as ``llama.py`` imports this file."""
 
     def packed(key, w):
         if key not in cache:
@@ -107,7 +107,7 @@ def pack_cpu_weights(model: nn.Module, cache: dict):
     for name, m in model.named_modules():
         if isinstance(m, Linear) and getattr(m.weight, "_stacked", None) is None:  # a stacked one: read as the stack
             m.packed = packed(name, m.weight)
-        elif isinstance(m, Attention) and m.qkv is not None:
+        elif getattr(m, "qkv", None) is not None:
             m.qkv_packed = packed(name + ".qkv", m.qkv[0])
-        elif isinstance(m, MLP) and m.gate_up is not None:
+        elif getattr(m, "gate_up", None) is not None:
             m.gate_up_packed = packed(name + ".gate_up", m.gate_up)

@@ -43,6 +43,7 @@ from .openai_format import TokenText
 from .openapi import document_errors
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        error_response)
+from .tools import template_message
 
 log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 2.0  # on SIGTERM, a stream gets this long to send its error and [DONE] before it is cut
@@ -180,7 +181,7 @@ def create_app(source, served_model_name: str | None = None, *, api_keys=(), max
 
         def work() -> bytes:  # the answer's JSON too: 800k token ids take seconds to encode
             if body.messages is not None:
-                ids = frontend.chat_tokens([m.as_dict() for m in body.messages], body.add_generation_prompt)[0]
+                ids = frontend.chat_tokens([template_message(m) for m in body.messages], body.add_generation_prompt)[0]
             else:
                 special = True if body.add_special_tokens is None else body.add_special_tokens
                 ids = frontend.tokenizer(body.prompt, add_special_tokens=special).input_ids

@@ -29,7 +29,7 @@ from . import openai_format as fmt
 from .async_engine import EngineUnavailableError, RequestFailedError
 from .protocol import MAX_CHOICES, APIError, ChatCompletionRequest, CompletionRequest, error_body
 from .structured import structured_outputs
-from .tools import check_tools, template_tools
+from .tools import check_tools, template_message, template_tools
 
 log = logging.getLogger(__name__)
 INT64 = 1 << 63
@@ -126,7 +126,7 @@ class Completion:
         elif body.suffix is not None:
             raise APIError(400, "suffix is not supported: this server has no fill-in-the-middle template for its "
                                 "model; put the text in the prompt", param="suffix")
-        prompts = [[m.as_dict() for m in body.messages]] if self.chat else body.prompts()
+        prompts = [[template_message(m) for m in body.messages]] if self.chat else body.prompts()
         has_connector = frontend.engine.limits.has_connector
         if body.kv_transfer_params is not None and (len(prompts) * body.n != 1 or not has_connector):
             raise APIError(400, "kv_transfer_params needs one prompt with n=1, on a server started with --role "

@@ -108,12 +108,6 @@ class Message(Strict):
                              "'tool_calls' may have content null)")
         return self
 
-    def as_dict(self) -> dict:
-        """The frontend's message form; ``developer`` is OpenAI's newer name for ``system``. A tool-call
-        history goes to the chat template as vLLM passes it (``serve/tools.py``)."""
-        from .tools import template_message
-        return template_message(self)
-
 
 class StreamOptions(Strict):
     include_usage: bool = False

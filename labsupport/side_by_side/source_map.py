@@ -62,8 +62,8 @@ MECHANISMS = [dict(zip(("mechanism", "chapter", "ours", "vllm", "differs"), (m, 
     ("KV cache manager", "02", "engine/kv_cache_manager.py:KVCacheManager.allocate",
      "v1/core/kv_cache_manager.py:KVCacheManager.allocate_slots v1/core/single_type_kv_cache_manager.py:FullAttentionManager",
      "vLLM manages groups of layers with different KV kinds (full, sliding window, Mamba); ours one group"),
-    ("Paged attention", "02", "engine/paged_attention.py:PagedAttention engine/cpu_attention.py:cpu_decode_attention "
-     "engine/cpu_attention.py:cpu_prefill_attention",
+    ("Paged attention", "02", "engine/paged_attention.py:PagedAttention kernels/cpu_attention.py:cpu_decode_attention "
+     "kernels/cpu_attention.py:cpu_prefill_attention",
      "v1/attention/backends/cpu_attn.py:CPUAttentionBackendImpl v1/attention/backends/flash_attn.py:FlashAttentionImpl "
      "_custom_ops.py:reshape_and_cache_flash",
      "both read K/V in place through the block table; ours: on the CPU one C++ call per layer for the decode rows and "
@@ -99,8 +99,8 @@ MECHANISMS = [dict(zip(("mechanism", "chapter", "ours", "vllm", "differs"), (m, 
      "v1/cudagraph_dispatcher.py:CudagraphDispatcher compilation/cuda_graph.py:CUDAGraphWrapper",
      "ours: full graphs of decode steps (on the CPU, one C++ call per layer instead); "
      "vLLM also captures piecewise graphs for mixed batches"),
-    ("Fused kernels", "GPU", "models/fused_kernels.py:triton_rope_qk models/cpu_kernels.py:cpu_rope_qk "
-     "models/cpu_kernels.py:cpu_rms_norm models/cpu_kernels.py:cpu_silu_mul models/llama.py:fuse_projections",
+    ("Fused kernels", "GPU", "models/fused_kernels.py:triton_rope_qk kernels/cpu_ops.py:cpu_rope_qk "
+     "kernels/cpu_ops.py:cpu_rms_norm kernels/cpu_ops.py:cpu_silu_mul models/llama.py:fuse_projections",
      "model_executor/layers/rotary_embedding/base.py:RotaryEmbedding model_executor/layers/layernorm.py:RMSNorm "
      "model_executor/layers/activation.py:SiluAndMul model_executor/layers/linear.py:QKVParallelLinear "
      "model_executor/custom_op.py:CustomOp", "vLLM's are CustomOps: compiled C++/CUDA kernels with a PyTorch fallback"),

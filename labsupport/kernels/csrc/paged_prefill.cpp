@@ -1,36 +1,33 @@
-"""Prefill attention on the CPU, read in place through the block table: the C++ source of ``paged_prefill``.
-
-A prompt (or a chunk of one) attends causally over its context. PyTorch's fused CPU kernel does that one
-sequence at a time (``paged_attention.prefill_attention``: flash attention, after gathering a chunk's earlier
-context out of the pool), and at the lengths a serving step mixes, 20-400 tokens, it runs far below the rate
-the same machine's products reach (``benchmarks/README.md``: the figures). This kernel serves every
-prefill sequence of a step in one call per layer, reading keys and values where they lie in the pool (the
-step's new K/V are written there first), the same way ``cpu_attention.py`` serves the decode rows.
-
-How it is laid out, and why:
-
-* **A task is 48 query rows of one KV head** (16 positions x the 3 query heads that share it, for SmolLM2):
-  the rows that read the same keys. Tasks are taken from a shared counter, longest context first, so two
-  threads finish together however ragged the prompts are.
-* **Scores with the queries across the vector lanes.** The task's queries are transposed once to [D, rows];
-  each key is then read straight from its pool row, one broadcast per element, into a register tile of
-  8 keys x 48 rows. No key is copied or transposed, and a score row comes out as vectors of rows, so
-* **the online softmax is vectorised across rows**: the running maximum, the rescaling factor and the sum of
-  every row advance together, a chunk of 32 keys at a time, with no horizontal reductions. ``exp`` is the
-  decode kernel's polynomial. A key after a row's position (the causal rule) is masked only in the chunks
-  that reach past the tile's first position.
-* **The weighted sum of the values** keeps a tile of 6 rows x 64 floats of the output in registers while it
-  walks the chunk's value rows, scaling what came before by the softmax's factor as it loads it.
-
-What it measured against ``prefill_attention`` per sequence, on W1's, WV's and W3's prefills, is in
-``benchmarks/README.md`` (a prefill attention kernel). Its outputs agree with that path to float rounding
-(``tests/test_cpu_attention.py``).
-
-Compiled with the decode kernel into one extension (``cpu_attention.available()``); the source below expects
-``cpu_kernels.VECTORS`` (with its ``exp_nonpositive``) and the decode kernel before it.
-"""
-
-PREFILL_SOURCE = r"""#include <atomic>
+// Prefill attention on the CPU, read in place through the block table: every prompt and chunk of a step in
+// one call per layer (its Python side: kernels/cpu_attention.py, cpu_prefill_attention).
+//
+// A prompt (or a chunk of one) attends causally over its context. PyTorch's fused CPU kernel does that one
+// sequence at a time (paged_attention.prefill_attention: flash attention, after gathering a chunk's earlier
+// context out of the pool), and at the lengths a serving step mixes, 20-400 tokens, it runs far below the rate
+// the same machine's products reach (benchmarks/README.md: the figures). This kernel serves every prefill
+// sequence of a step in one call per layer, reading keys and values where they lie in the pool (the step's new
+// K/V are written there first), the same way paged_decode.cpp serves the decode rows.
+//
+// How it is laid out, and why:
+//
+// * A task is 48 query rows of one KV head (16 positions x the 3 query heads that share it, for SmolLM2):
+//   the rows that read the same keys. Tasks are taken from a shared counter, longest context first, so two
+//   threads finish together however ragged the prompts are.
+// * Scores with the queries across the vector lanes. The task's queries are transposed once to [D, rows];
+//   each key is then read straight from its pool row, one broadcast per element, into a register tile of
+//   8 keys x 48 rows. No key is copied or transposed, and a score row comes out as vectors of rows, so
+// * the online softmax is vectorised across rows: the running maximum, the rescaling factor and the sum of
+//   every row advance together, a chunk of 32 keys at a time, with no horizontal reductions. exp is the
+//   decode kernel's polynomial (vectors.h). A key after a row's position (the causal rule) is masked only in
+//   the chunks that reach past the tile's first position.
+// * The weighted sum of the values keeps a tile of 6 rows x 64 floats of the output in registers while it
+//   walks the chunk's value rows, scaling what came before by the softmax's factor as it loads it.
+//
+// What it measured against prefill_attention per sequence, on W1's, WV's and W3's prefills, is in
+// benchmarks/README.md (a prefill attention kernel). Its outputs agree with that path to float rounding
+// (tests/test_cpu_attention.py). Compiled in one translation unit after paged_decode.cpp.
+#include "vectors.h"
+#include <atomic>
 
 constexpr int64_t KC = 32;               // keys per chunk
 constexpr int64_t CB = 3;                // vectors of query rows per register tile of scores
@@ -183,4 +180,3 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, 
     }
   });
 }
-"""
