@@ -112,3 +112,44 @@ def test_poller_gives_up_when_the_server_is_gone():
     assert dash.last_error.startswith("gave up after 3 failed scrapes")
     dash.stop()  # still safe: one more failed scrape, nothing drawn, no error
     assert "0 scrapes" in dash.render_html()
+
+
+def test_stop_fills_the_place_show_made_with_the_last_drawing(monkeypatch):
+    """show() puts the live widget and an empty place under it; stop() fills that place with the last drawing as
+    plain HTML and SVG, which a saved notebook shows without the kernel the widget's view needs."""
+    import IPython.display
+
+    shown = []
+
+    class Handle:
+        def update(self, obj, raw=False):
+            shown.append(("update", obj, raw))
+
+    def fake_display(obj, raw=False, display_id=None):
+        shown.append(("display", obj, raw))
+        return Handle() if display_id else None
+
+    monkeypatch.setattr(IPython.display, "display", fake_display)
+    dash = Canned([EXPOSITION, EXPOSITION.replace(" 40.0", " 100.0")], title="canned load")
+    assert dash.show() is dash
+    assert shown[0][1] is dash and shown[1] == ("display", {"text/plain": ""}, True)   # the widget, then the place
+    dash.poll_once()
+    dash.stop()                                             # its last scrape, drawn in the widget and saved
+    (what, saved, raw), = shown[2:]
+    assert what == "update" and raw and set(saved) == {"text/html", "text/plain"}
+    assert "application/vnd.jupyter.widget-view+json" not in saved
+    assert saved["text/html"].count("<svg") == 5 and "stopped" in saved["text/html"] and "<polyline" in saved["text/html"]
+    assert "peak running / waiting: 3 / 2" in saved["text/plain"] and "canned load" in saved["text/plain"]
+    assert dash.widget.value in saved["text/html"]          # the same drawing as the widget's last one
+
+
+def test_chapter_06_saves_the_dashboards_last_drawing_beside_the_widget():
+    """The executed chapter keeps, next to the widget (blank once reopened without its kernel), a static copy."""
+    from notebook_tools import chapter, read
+
+    cell = next(c for c in read(chapter("06")).cells if c.cell_type == "code" and "dashboard.show()" in c.source)
+    kinds = [set(o.get("data", {})) for o in cell.outputs if o.output_type == "display_data"]
+    assert any("application/vnd.jupyter.widget-view+json" in k for k in kinds)
+    static = [o.data["text/html"] for o in cell.outputs if "text/html" in o.get("data", {})]
+    assert len(static) == 1 and static[0].count("<svg") == 5 and "<polyline" in static[0]
+    assert "stopped" in static[0]

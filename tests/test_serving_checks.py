@@ -165,3 +165,108 @@ def test_a_wrong_goodput_fails_on_real_results_alone(real_runs):
     checks.check_goodput(adds_the_gaps_to_ttft)  # hand-made cases only: passes
     with pytest.raises(checks.CheckFailed, match="real run"):
         checks.check_goodput(adds_the_gaps_to_ttft, real_runs)
+
+
+# ---- the hard exercise: RequestStream and deliver, plugged into a real AsyncEngine
+
+@pytest.fixture(scope="module")
+def reference_streams():
+    solutions = exercise_solutions(chapter("06"))
+    return solutions["RequestStream"], solutions["deliver"]
+
+
+def test_reference_request_stream_passes_and_the_engine_keeps_its_own(reference_streams, llm, capsys):
+    from labsupport.serve.async_engine import AsyncEngine, _deliver
+    from labsupport.serve.request_stream import RequestStream
+    checks.check_request_streams(*reference_streams, llm)
+    assert "aborted and its blocks freed" in capsys.readouterr().out
+    engine = AsyncEngine(llm)
+    assert engine.stream_class is RequestStream and engine.deliver is _deliver   # the check's plug was its own
+    stats = llm.engine.stats()
+    assert stats["num_requests_running"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_plugged_async_engine_restores_its_own_pieces_after_an_exception(llm, reference_streams):
+    from labsupport.serve.async_engine import AsyncEngine, _deliver
+    from labsupport.serve.request_stream import RequestStream
+    engine = AsyncEngine(llm)
+    with pytest.raises(RuntimeError, match="planted"):
+        with engine.plugged(stream_class=reference_streams[0], deliver=reference_streams[1]):
+            assert engine.stream_class is reference_streams[0]
+            raise RuntimeError("planted")
+    assert engine.stream_class is RequestStream and engine.deliver is _deliver
+
+
+def direct_put(loop, items):
+    """Calls put from the engine thread: sets an asyncio.Event from the wrong thread, nothing wakes the loop."""
+    for stream, index, item in items:
+        stream.put(index, item)
+
+
+def planted_streams(reference, mistake):
+    """The reference stream and deliver with one mistake; returns (stream_class, deliver)."""
+    import queue
+
+    stream_class, deliver = reference
+
+    class BlocksTheLoop(stream_class):
+        """A thread-safe queue fed straight from the engine thread, read with a blocking get."""
+
+        def __init__(self, abort, request_ids):
+            super().__init__(abort, request_ids)
+            self._queue = queue.Queue()
+
+        def put(self, index, item):
+            self._queue.put((index, item))
+
+        async def __anext__(self):
+            if not self.unfinished:
+                raise StopAsyncIteration
+            index, item = self._queue.get()            # blocks the event loop until the next step's output
+            if isinstance(item, BaseException):
+                self.close()
+                raise item
+            if item.finished:
+                self.unfinished.discard(index)
+            return {index: item}
+
+    class LosesTheAbort(stream_class):
+        def close(self):
+            self.unfinished = set()                    # forgets to tell the engine
+
+    class NeverEnds(stream_class):
+        async def __anext__(self):
+            await self._ready.wait()
+            self._ready.clear()
+            items, self._latest = self._latest, {}
+            for item in items.values():
+                if isinstance(item, BaseException):
+                    raise item
+            return items                               # never discards a finished choice, never stops
+
+    class SwallowsErrors(stream_class):
+        def put(self, index, item):
+            if not isinstance(item, BaseException):    # drops the shutdown's error: the reader waits forever
+                super().put(index, item)
+
+    return {"blocks the loop": (BlocksTheLoop, direct_put), "loses the abort": (LosesTheAbort, deliver),
+            "misses the wake-up": (stream_class, direct_put), "never ends": (NeverEnds, deliver),
+            "swallows errors": (SwallowsErrors, deliver)}[mistake]
+
+
+@pytest.mark.parametrize("mistake, message", [
+    ("blocks the loop", "late .* times.*blocks the loop"),
+    ("loses the abort", "lost abort"),
+    ("misses the wake-up", "missed wake-up"),
+    ("never ends", "did not end"),
+    ("swallows errors", "neither raised nor ended"),
+])
+def test_planted_wrong_request_stream_fails_and_cleans_up(reference_streams, llm, mistake, message):
+    import time
+    started = time.perf_counter()
+    with pytest.raises(checks.CheckFailed, match=message):
+        checks.check_request_streams(*planted_streams(reference_streams, mistake), llm)
+    assert time.perf_counter() - started < 40                     # bounded: no hang on a planted mistake
+    stats = llm.engine.stats()                                    # and the check's server is gone, its requests too
+    assert stats["num_requests_running"] == stats["num_requests_waiting"] == 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]

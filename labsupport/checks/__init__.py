@@ -17,10 +17,10 @@ from .prefix_admission import (LEAK_ANSWERS, admission_scenario, check_leak_find
 from .pd import check_kv_handoff, check_pack_blocks, check_unpack_blocks
 from .proxy import check_disagg_request
 from .scheduling import check_chunk_rule, check_schedule
-from .serving import check_goodput
+from .serving import check_goodput, check_request_streams
 
 __all__ = ["CheckFailed", "first_difference", "passed", "check_greedy_generate", "check_cached_attention",
            "check_slot_mapping", "check_block_allocator", "check_paged_read", "check_chain_hashes", "check_longest_prefix",
            "check_prefix_admission", "check_leak_finder", "planted_bug", "LEAK_ANSWERS", "admission_scenario",
-           "check_schedule", "check_chunk_rule", "check_admission", "check_copy_on_write", "check_goodput", "check_pack_blocks", "check_unpack_blocks",
+           "check_schedule", "check_chunk_rule", "check_admission", "check_copy_on_write", "check_goodput", "check_request_streams", "check_pack_blocks", "check_unpack_blocks",
            "check_kv_handoff", "check_disagg_request", "check_acceptance_rule"]

@@ -10,10 +10,14 @@ boundary, an empty run), then on real benchmark runs at SLOs set between measure
 """
 from __future__ import annotations
 
+import asyncio
 import math
+import threading
+import time
 
 from ..bench.serve_bench import RequestResult
 from ..bench.serve_bench import goodput as reference_goodput
+from ..serve.request_stream import EngineUnavailableError
 from .base import CheckFailed, passed
 
 
@@ -143,3 +147,224 @@ def check_goodput(goodput_fn, runs=()):
     if runs:
         message += f" and on {len(runs)} real runs at {compared} SLOs"
     passed(message)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The hard exercise: the stream between the engine-loop thread and one client (``RequestStream`` and ``deliver``)
+
+STEP_PAUSE_S = 0.5   # each step of the check's engine first sleeps this long with the GIL free: a bigger model's
+                     # forward pass. A loop blocked until the next output then shows a lag of a whole step.
+LAG_LIMIT_S = 0.25   # the event loop may wake a sleeping task this late (half a padded step) at most once: a stream
+                     # that blocks it does so at every step, a busy machine now and then
+WAKE_LIMIT_S = 0.5   # an output handed over must reach its reader within this (well under two padded steps)
+WAIT_S = 2.0         # the longest the check waits for any one output or end of stream
+ABORT_WAIT_S = 1.5   # after a client leaves, its request must be out of the engine within this
+TOTAL_S = 60.0       # the whole check, whatever the code under test does
+
+
+class _Timeline:
+    """When ``deliver`` handed each stream something (engine thread), so a reader's wait can be judged."""
+
+    def __init__(self, deliver):
+        self.deliver, self.handed = deliver, []
+
+    def __call__(self, loop, items):
+        now = time.perf_counter()
+        self.handed.extend((now, stream) for stream, _, _ in items)
+        self.deliver(loop, items)
+
+    def first_since(self, stream, since: float) -> float | None:
+        return min((t for t, s in list(self.handed) if s is stream and t >= since), default=None)
+
+
+async def _read(engine, timeline, prepared, rid, *, leave_after=None) -> list:
+    """One client: submit, then read its stream as the server's handler does (each wait bounded), and close it
+    on the way out — what a disconnect does. Returns the outputs read; raises CheckFailed saying what went wrong."""
+    stream = engine.submit([prepared], [rid])
+    outputs, since = [], time.perf_counter()
+    try:
+        while True:
+            asked = time.perf_counter()
+            try:
+                batch = await asyncio.wait_for(stream.__anext__(), WAIT_S)
+            except StopAsyncIteration:
+                return outputs
+            except asyncio.TimeoutError:
+                if outputs and outputs[-1].finished:
+                    raise CheckFailed(f"[{rid}] its request finished (the last output had finish_reason "
+                                      f"{outputs[-1].finish_reason!r}) but the stream did not end within {WAIT_S:g} s: "
+                                      "once every request of a stream has finished, __anext__ must raise "
+                                      "StopAsyncIteration") from None
+                if timeline.first_since(stream, since) is not None:
+                    raise CheckFailed(f"[{rid}] deliver() handed this stream an output, but its reader saw nothing "
+                                      f"for {WAIT_S:g} s: a missed wake-up. The engine thread must wake the event loop "
+                                      "(loop.call_soon_threadsafe), and put() must set the event the reader awaits"
+                                      ) from None
+                raise CheckFailed(f"[{rid}] no output within {WAIT_S:g} s, and deliver() was never called for this "
+                                  "stream: does submit() reach the engine (stream_class(abort, request_ids))?") from None
+            received = time.perf_counter()
+            handed = timeline.first_since(stream, since)
+            if handed is not None and received - max(asked, handed) > WAKE_LIMIT_S:
+                raise CheckFailed(f"[{rid}] an output reached its reader {received - max(asked, handed):.2f} s after "
+                                  "deliver() handed it over, while the reader was waiting: a missed wake-up (the loop "
+                                  "slept until something else woke it). Hand outputs over with "
+                                  "loop.call_soon_threadsafe, never by calling stream.put from the engine thread")
+            since = received
+            if not isinstance(batch, dict) or set(batch) - {0}:
+                raise CheckFailed(f"[{rid}] a batch must be a dict {{index: latest output}}, got {batch!r:.80}")
+            if isinstance(batch.get(0), BaseException):
+                raise CheckFailed(f"[{rid}] the stream yielded an exception instead of raising it: {batch[0]!r}")
+            if 0 in batch:
+                outputs.append(batch[0])
+            if leave_after is not None and len(outputs) >= leave_after:
+                return outputs            # the client hangs up: the finally below is the server's disconnect path
+    finally:
+        stream.close()
+
+
+async def _probe_lag(stop: asyncio.Event, interval: float = 0.01) -> list[float]:
+    """How late a task asking to sleep ``interval`` woke, each time: how long the loop was busy elsewhere."""
+    loop, lags = asyncio.get_running_loop(), []
+    while not stop.is_set():
+        asked = loop.time()
+        await asyncio.sleep(interval)
+        lags.append(max(0.0, loop.time() - asked - interval))
+    return lags
+
+
+async def _idle_within(llm, seconds: float) -> dict:
+    """The engine's stats once nothing runs or waits and every KV block is free, or after ``seconds``."""
+    deadline = time.perf_counter() + seconds
+    while True:
+        stats = llm.engine.stats()
+        idle = stats["num_requests_running"] == stats["num_requests_waiting"] == 0
+        if (idle and stats["kv_blocks_free"] == stats["kv_blocks_total"]) or time.perf_counter() > deadline:
+            return stats
+        await asyncio.sleep(0.02)
+
+
+async def _scenario(engine, timeline, llm, clients: int, tokens: int) -> dict:
+    from ..engine.request import SamplingParams
+
+    def prepared(i, n):
+        return llm.frontend.prepare(f"Client {i}: name a colour.", SamplingParams(max_tokens=n, temperature=0,
+                                                                                 ignore_eos=True))
+
+    def complete(rid, outputs):
+        if not outputs or not outputs[-1].finished or len(outputs[-1].token_ids) != tokens:
+            last = outputs[-1] if outputs else None
+            raise CheckFailed(f"[{rid}] the stream ended without the finished output: last output "
+                              f"{None if last is None else (len(last.token_ids), last.finish_reason)}, expected "
+                              f"{tokens} tokens and finish_reason 'length' (outputs are cumulative; the last has them all)")
+        counts = [len(o.token_ids) for o in outputs]
+        if counts != sorted(counts):
+            raise CheckFailed(f"[{rid}] outputs went backwards ({counts} tokens): keep only the latest of each choice")
+
+    # 1. one client on a quiet event loop: nothing else would wake it, so a missed wake-up stalls
+    alone = await _read(engine, timeline, prepared(0, tokens), "alone")
+    complete("alone", alone)
+    # 2. clients at once, one of them hanging up after its first output, while a probe times the loop
+    stop = asyncio.Event()
+    probe = asyncio.create_task(_probe_lag(stop))
+    readers = [_read(engine, timeline, prepared(i, tokens), f"client-{i}") for i in range(1, clients + 1)]
+    leaver = _read(engine, timeline, prepared(99, 64 * tokens), "leaves-early", leave_after=1)
+    try:
+        *done, left = await asyncio.gather(*readers, leaver)
+    finally:
+        stop.set()
+        lags = await probe
+    for i, outputs in enumerate(done, 1):
+        complete(f"client-{i}", outputs)
+    lag, late = max(lags, default=0.0), sum(lag > LAG_LIMIT_S for lag in lags)
+    if late > 1:
+        raise CheckFailed(f"with {clients + 1} streams the event loop woke a 10 ms sleep over {1000 * LAG_LIMIT_S:.0f} ms "
+                          f"late {late} times, at worst {1000 * lag:.0f} ms (a step takes over {1000 * STEP_PAUSE_S:.0f} "
+                          "ms): something "
+                          "blocks the loop while the engine steps — a blocking get (queue.Queue, threading.Event.wait) "
+                          "or time.sleep in __anext__. Await an asyncio.Event instead")
+    stats = await _idle_within(llm, ABORT_WAIT_S)
+    if stats["num_requests_running"] or stats["kv_blocks_free"] != stats["kv_blocks_total"]:
+        raise CheckFailed(f"{ABORT_WAIT_S:g} s after its client hung up, the abandoned request still runs "
+                          f"({stats['num_requests_running']} running, {stats['kv_blocks_total'] - stats['kv_blocks_free']}"
+                          " KV blocks held): a lost abort. close() must call abort(request_id) for every request that "
+                          "has not finished")
+    # 3. the server shuts down under a reader: the error it delivers must end the stream, raised
+    stream = engine.submit([prepared(100, 64 * tokens)], ["shut-down"])
+    try:
+        await asyncio.wait_for(stream.__anext__(), WAIT_S)
+        engine.shutdown(wait=False)
+        try:
+            async def drain():
+                async for _ in stream:
+                    pass
+            await asyncio.wait_for(drain(), WAIT_S)
+        except asyncio.TimeoutError:
+            raise CheckFailed(f"the server shut down under a reader, and its stream neither raised nor ended within "
+                              f"{WAIT_S:g} s: an exception put() into the stream must be raised by __anext__") from None
+        except EngineUnavailableError:
+            pass
+        else:
+            raise CheckFailed("the server shut down under a reader, and its stream ended as if the answer were complete: "
+                              "an exception put() into the stream must be raised by __anext__")
+    finally:
+        stream.close()
+    return {"lag": lag, "left": len(left[-1].token_ids) if left else 0, "steps": engine.num_steps}
+
+
+def _run_bounded(coro_fn, seconds: float):
+    """Run ``coro_fn()`` in a fresh event loop on a thread of its own (a notebook's loop is already running), for
+    at most ``seconds``: (result, None), (None, exception), or (None, None) when it did not finish."""
+    box = {}
+
+    def target():
+        try:
+            box["result"] = asyncio.run(coro_fn())
+        except BaseException as exc:  # noqa: BLE001 -- handed to the caller, who reports it
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="stream-check", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return box.get("result"), box.get("error")
+
+
+def check_request_streams(stream_class, deliver, llm, clients: int = 4, tokens: int = 4):
+    """Chapter 06: the attendee's ``RequestStream`` class and ``deliver(loop, items)``, plugged into a real
+    ``AsyncEngine`` on ``llm`` (no other server may own it meanwhile; the engine's own pieces are not touched).
+
+    Three scenes, each wait bounded: one client alone (a missed wake-up stalls it; a stream that never ends is
+    caught after its last output), ``clients`` clients at once with one more hanging up after its first output
+    (the loop's lag, every answer complete, the abandoned request's blocks freed), and a shutdown under a reader
+    (its stream raises). Every step is padded with ``STEP_PAUSE_S`` of sleep outside the GIL, as a bigger
+    model's forward pass would be, so a loop blocked for a step cannot pass for noise."""
+    from ..serve.async_engine import AsyncEngine
+
+    engine = AsyncEngine(llm, max_waiting_requests=None)
+    step = engine._step
+
+    def padded_step():
+        time.sleep(STEP_PAUSE_S)
+        step()
+
+    engine._step = padded_step
+    timeline = _Timeline(deliver)
+    started = time.perf_counter()
+    try:
+        with engine.plugged(stream_class=stream_class, deliver=timeline):
+            result, error = _run_bounded(lambda: _scenario(engine, timeline, llm, clients, tokens), TOTAL_S)
+    finally:
+        engine.shutdown()
+    if error is not None:
+        if isinstance(error, CheckFailed):
+            raise error
+        raise CheckFailed(f"the check's clients raised {type(error).__name__}: {error}") from error
+    if result is None:
+        raise CheckFailed(f"the check did not finish in {TOTAL_S:g} s: the event loop is blocked for good — __anext__ "
+                          "waits (time.sleep, a blocking get) for something only the loop itself can deliver")
+    stats = llm.engine.stats()
+    if stats["num_requests_running"] or stats["num_requests_waiting"]:
+        raise CheckFailed(f"after the server shut down, {stats['num_requests_running']} requests still run")
+    passed(f"your stream served {clients + 2} clients through the engine thread in {time.perf_counter() - started:.1f} s "
+           f"({result['steps']} steps): every answer complete, the event loop at most {1000 * result['lag']:.0f} ms "
+           f"late, the client that hung up after {result['left']} token(s) aborted and its blocks freed, and a shutdown "
+           "raised in its reader")

@@ -27,6 +27,7 @@ pending request gets an error and ``is_healthy`` turns False (``/health`` answer
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -81,6 +82,8 @@ class AsyncEngine:
         self.step_log: deque = deque(maxlen=4096)  # recent steps in wall-clock time, for timelines (step_record)
         self._wall = time.time() - time.perf_counter()  # perf_counter -> time.time(): one clock across processes
         self.peak_batch_size = 0  # the most requests one step ran: > 1 means clients shared steps
+        # how outputs reach a client: its stream, and the hand-over from this thread (chapter 06 plugs its own)
+        self.stream_class, self.deliver = RequestStream, _deliver
 
     # ------------------------------------------------------------------ the event loop's side
 
@@ -89,6 +92,19 @@ class AsyncEngine:
             if not self._thread.is_alive() and not self._closed and self._thread.ident is None:
                 self._thread.start()
         return self
+
+    @contextlib.contextmanager
+    def plugged(self, stream_class=None, deliver=None):
+        """``with engine.plugged(stream_class=MyStream, deliver=my_deliver): ...`` serves new requests through
+        chapter 06's pieces: ``stream_class(abort, request_ids)`` is what a request's consumer reads, and
+        ``deliver(loop, [(stream, index, item), ...])`` hands outputs to it from the loop thread. The engine's
+        own pieces come back on exit, also after an exception."""
+        old = self.stream_class, self.deliver
+        self.stream_class, self.deliver = stream_class or old[0], deliver or old[1]
+        try:
+            yield self
+        finally:
+            self.stream_class, self.deliver = old
 
     @property
     def is_healthy(self) -> bool:
@@ -120,7 +136,7 @@ class AsyncEngine:
         engine is unavailable or the waiting queue is full, so the server can still answer 503/429."""
         self.start()
         loop = asyncio.get_running_loop()
-        stream = RequestStream(self.abort, request_ids)
+        stream = self.stream_class(self.abort, request_ids)
         with self._lock:
             if self._closed:
                 raise EngineUnavailableError(self.unavailable_reason())
@@ -200,7 +216,7 @@ class AsyncEngine:
                 try:
                     req = self.frontend.submit(prepared, rid)
                 except Exception as exc:  # checked before, so rare: the engine was shut down under us
-                    _deliver(loop, [(stream, index, RequestFailedError(f"{type(exc).__name__}: {exc}"))])
+                    self.deliver(loop, [(stream, index, RequestFailedError(f"{type(exc).__name__}: {exc}"))])
                     continue
                 self._live[rid] = _Live(req, loop, stream, index)
             else:
@@ -236,7 +252,7 @@ class AsyncEngine:
                 continue
             outputs.setdefault(live.loop, []).append((live.stream, live.index, item))
         for loop, items in outputs.items():
-            _deliver(loop, items)
+            self.deliver(loop, items)
         if not ran and self._live:
             self._wake.wait(0.01)  # nothing could be scheduled now: do not spin
 
@@ -269,7 +285,7 @@ class AsyncEngine:
         for item in items:
             if item[0] == "add":
                 _, _, _, loop, stream, index = item
-                _deliver(loop, [(stream, index, error)])
+                self.deliver(loop, [(stream, index, error)])
         lives, self._live = list(self._live.values()), {}
         try:
             self.engine.abort_requests([live.req for live in lives])
@@ -277,7 +293,7 @@ class AsyncEngine:
             log.exception("aborting the requests in flight failed")
         for live in lives:
             self._finished(live.req)
-            _deliver(live.loop, [(live.stream, live.index, error)])
+            self.deliver(live.loop, [(live.stream, live.index, error)])
 
 
 def _put_all(items):

@@ -11,10 +11,11 @@ background thread every ``interval_s`` and draws what a Grafana board would:
 * TTFT and inter-token latency histograms: the server's own buckets, counted since the
   dashboard started, with the P50 and P99 that ``histogram_quantile`` would estimate.
 
-Display it (an ipywidgets HTML view with small SVG charts, redrawn after every scrape: building
-it costs far less than a matplotlib figure, which on a small CPU would take time from the very
-server it watches), run a load, then ``stop()``: the poller thread ends, one last scrape is
-drawn, and ``plot()`` draws the same panels as a static matplotlib figure for the saved
+Display it with ``show()`` (an ipywidgets HTML view with small SVG charts, redrawn after every
+scrape: building it costs far less than a matplotlib figure, which on a small CPU would take time
+from the very server it watches), run a load, then ``stop()``: the poller thread ends, one last
+scrape is drawn, in the widget and as static HTML under it (a saved notebook keeps that one), and
+``plot()`` draws the same panels as a static matplotlib figure for the saved
 notebook and the slides. As a
 context manager it starts and stops itself, also when the code inside raises. The poller
 gives up on its own after ``max_failures`` scrapes in a row fail (the server is gone).
@@ -58,6 +59,7 @@ class ServerDashboard:
         self._lock = threading.Lock()  # samples and scrapes: the poller writes, the notebook reads
         self._html = None
         self._last_draw = 0.0
+        self._saved = None  # show()'s display handle for the last drawing as static HTML, filled by stop()
 
     # ------------------------------------------------------------------ polling
 
@@ -123,6 +125,8 @@ class ServerDashboard:
             self._thread.join(timeout)
         self.poll_once()
         self._refresh(force=True)
+        if self._saved is not None:
+            self._saved.update(self.saved_view(), raw=True)
 
     @property
     def running(self) -> bool:
@@ -297,6 +301,25 @@ class ServerDashboard:
             self._html = widgets.HTML()
             self._refresh(force=True)
         return self._html
+
+    def show(self):
+        """Display the live widget, and under it a place that ``stop()`` fills with the last drawing as static HTML.
+
+        Why both: a widget's view is drawn from its model, which lives in the kernel. A saved notebook
+        reopened without that kernel shows "Error displaying widget: model not found" where the widget
+        was; the static copy is plain HTML and SVG in the notebook file, shown by any reader."""
+        from IPython.display import display
+
+        display(self)
+        self._saved = display({"text/plain": ""}, raw=True, display_id=True)
+        return self
+
+    def saved_view(self) -> dict:
+        """The last drawing as a static output (``text/html``, with the numbers as ``text/plain``)."""
+        caption = ('<div class="sd-status">The last drawing, saved as HTML: what a reopened notebook shows '
+                   "without its kernel.</div>")
+        text = "\n".join(f"{k}: {v}" for k, v in self.numbers())
+        return {"text/html": caption + self.render_html(), "text/plain": f"{self.title} (last drawing)\n{text}"}
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)
