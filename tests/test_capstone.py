@@ -1,5 +1,6 @@
 """The capstone: servers on loopback driven by the load generator, and the decision read from them."""
 import math
+import re
 
 import httpx
 import pytest
@@ -107,3 +108,35 @@ def test_transformers_serve_answers_the_load_generator():
     finally:
         stop_all([w])
     assert not w.alive
+
+
+def test_decision_table_prints_every_header_whole():
+    r = capstone.load()  # the saved run the chapter shows
+    header = re.split(r"\s{2,}", format_decision(r).splitlines()[1])  # columns stand two spaces apart
+    assert header == ["traffic", "headline", *r["decision"][0]["techniques"], "all vs transformers", "all vs vLLM"]
+
+
+def test_heatmap_labels_contrast_with_their_cells():
+    """Each cell's text is black or white, whichever contrasts more: WCAG 2's ratio at least 4.5 on every cell,
+    white on the darkest green (the saved run's 6.67x)."""
+    import matplotlib.colors as mcolors
+
+    from labsupport.viz.capstone import text_color
+
+    def luminance(color):
+        return sum(w * (c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4)
+                   for w, c in zip((0.2126, 0.7152, 0.0722), mcolors.to_rgb(color)))
+
+    fig = plot_capstone(capstone.load())
+    heat = fig.axes[0]
+    image = heat.images[0]
+    cells = [t for t in heat.texts if t.get_gid() == "capstone-cell"]
+    assert len(cells) == image.get_array().size
+    for t in cells:
+        j, i = (round(v) for v in t.get_position())
+        face = image.cmap(image.norm(image.get_array()[i, j]))
+        lo, hi = sorted((luminance(t.get_color()), luminance(face)))
+        assert (hi + 0.05) / (lo + 0.05) >= 4.5, t.get_text()
+    darkest = min(cells, key=lambda t: luminance(image.cmap(image.norm(image.get_array()[
+        round(t.get_position()[1]), round(t.get_position()[0])]))))
+    assert darkest.get_color() == "white" and text_color((0.0, 0.4, 0.2)) == "white" and text_color((1, 1, 0.7)) == "black"

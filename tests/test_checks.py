@@ -748,6 +748,9 @@ def _rule(accept="ratio", residual="residual", bonus=True, use_q=True, recovered
             if recovered == "guess":
                 out.append(d)
                 return out
+            if recovered == "argmax":  # no draw at all: right for one-hot targets only
+                out.append(int(p.argmax()))
+                return out
             r = (p - q).clamp(min=0) if residual == "residual" else p
             r = r if float(r.sum()) > 0 else p
             out.append(int(torch.multinomial(r / r.sum(), 1, generator=generator)))
@@ -758,14 +761,38 @@ def _rule(accept="ratio", residual="residual", bonus=True, use_q=True, recovered
     return rule
 
 
-def test_reference_acceptance_rule_passes_and_runs_in_the_engine():
+@pytest.fixture(scope="module")
+def ngram_llm():
     from labsupport import LLM
-    from labsupport.engine.spec_decode import rejection_sample
 
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     llm = LLM(device="cpu", num_blocks=64, speculative_config=spec)
-    checks.check_acceptance_rule(rejection_sample, llm, trials=4000)
+    yield llm
+    llm.shutdown()
+
+
+def test_reference_acceptance_rule_passes_and_runs_in_the_engine(ngram_llm, capsys):
+    from labsupport.engine.spec_decode import rejection_sample
+
+    checks.check_acceptance_rule(rejection_sample, ngram_llm, trials=4000)  # greedy and sampled in the engine
+    assert "in the engine, sampled at temperature 1" in capsys.readouterr().out
     checks.check_acceptance_rule(_rule(), trials=4000)  # the planted family's own right member
+
+
+@pytest.mark.parametrize("wrong", [
+    _rule(accept="p>q"),           # accept when p(d) >= q(d), no random draw: a certain guess is never kept
+    _rule(recovered="argmax"),     # on a rejection, the target's argmax instead of a draw from the residual
+])
+def test_sampled_check_in_the_engine_fails_a_rule_that_passes_greedy(ngram_llm, wrong):
+    """These rules are right whenever p is one-hot, so the engine's greedy check passes them; sampled at
+    temperature 1 in the same engine, the first verified token's counts leave the target's tolerance."""
+    from labsupport.checks.acceptance import check_greedy_in_engine, check_sampled_in_engine
+
+    check_greedy_in_engine(wrong, ngram_llm)
+    with pytest.raises(checks.CheckFailed, match="standard deviations"):
+        check_sampled_in_engine(wrong, ngram_llm)
+    stats = ngram_llm.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
 @pytest.mark.parametrize("wrong", [

@@ -216,7 +216,7 @@ def test_canned_timeline_svg_and_figure():
     ax = plot_pd_timeline(CANNED)
     assert "failed transfer" in [t.get_text() for t in ax.get_legend().get_texts()]
     assert ([a.get_text() for a in gids(ax, "pd-transfer-label")]
-            == ["3.7 MB\n0.09 GB/s", "failed: ConnectionError: refused"])
+            == ["3.7 MB · 0.09 GB/s", "failed: ConnectionError: refused"])  # one line: it fits between the lanes
     assert ax.get_xlim()[0] == pytest.approx(-5)  # t0: the earliest event
     plt.close(ax.figure)
     w = PDTimelineWidget({}, window_s=1.5)
@@ -240,3 +240,43 @@ def test_widget_renders_in_browser(tmp_path):
     assert select(dom, ".widget-subarea") and "Error displaying widget" not in dom, console
     assert len(select(dom, ".widget-subarea .pd-timeline svg .pd-transfer")) == 1, console
     assert len(select(dom, ".widget-subarea .pd-timeline svg .pd-step")) == 9
+
+
+def crowded_run(ends_at=4.7):
+    """Five hand-offs, three of them within 250 ms, the last at the very end of the run: the labels must
+    dodge each other and the right edge."""
+    sends, recvs, psteps, dsteps = [], [], [], []
+    for i, (t, mb) in enumerate([(0.04, 0.7), (1.6, 2.9), (3.75, 23.6), (3.98, 2.9), (4.0, 2.9), (ends_at, 2.9)]):
+        psteps.append({"start": t - 0.05, "end": t - 0.005, "prefill": {f"r{i}": 300}, "decode": []})
+        for role, steps in (("send", sends), ("recv", recvs)):
+            steps.append({"transfer_id": f"t{i}", "role": role, "start": t, "end": t + 0.03, "num_bytes": int(mb * 1e6),
+                          "num_blocks": 4, "ok": True, "error": None})
+        dsteps += [{"start": t + 0.04 + 0.03 * k, "end": t + 0.06 + 0.03 * k, "prefill": {}, "decode": ["x"]}
+                   for k in range(3)]
+    return {"prefill-0": {"role": "kv_producer", "steps": psteps, "transfers": sends},
+            "decode-0": {"role": "kv_consumer", "steps": dsteps, "transfers": recvs}}
+
+
+def test_panels_share_one_time_scale_and_labels_neither_overlap_nor_clip():
+    from labsupport.viz.pd_timeline_draw import plot_pd_timelines, renderer_of
+
+    colocated = {"colocated": {"role": None, "transfers": [], "steps": [
+        {"start": 50.0 + 0.4 * k, "end": 50.3 + 0.4 * k, "prefill": {"a": 50}, "decode": []} for k in range(6)]}}
+    fig = plot_pd_timelines([(crowded_run(), "1P+1D"), (colocated, "colocated, a shorter run")])
+    pd_ax, colo_ax = fig.axes
+    # the longer run (1P+1D: its first prefill starts at -0.01 s, its last decode step ends at 4.82 s) sets both
+    assert pd_ax.get_xlim() == colo_ax.get_xlim() == pytest.approx((-5, 1e3 * (4.82 + 0.01) + 5))
+    renderer = renderer_of(fig)
+    fig.canvas.draw()  # legends find their place when drawn
+    labels = [t for t in gids(pd_ax, "pd-transfer-label") if t.get_visible()]
+    assert len(labels) >= 5  # crowded, yet nearly all placed
+    boxes = [t.get_window_extent(renderer) for t in labels]
+    frame = pd_ax.get_window_extent(renderer)
+    assert all(frame.x0 <= b.x0 and b.x1 <= frame.x1 for b in boxes)  # none runs past the axes' right edge
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    page = fig.bbox
+    for ax in fig.axes:  # no text of the figure, titles and legends included, outside it
+        for t in ax.texts + [ax.title, ax._left_title] + ax.get_legend().get_texts():
+            if t.get_visible() and t.get_text():
+                b = t.get_window_extent(renderer)
+                assert page.x0 <= b.x0 and b.x1 <= page.x1 and page.y0 <= b.y0 and b.y1 <= page.y1, t.get_text()

@@ -286,3 +286,23 @@ def test_reading_calls_a_speed_up_only_beyond_the_repeat_of_plain_decoding():
     text = reading(loud)
     assert "1.30x plain decoding's tokens/s: no difference beyond noise" in text and "up to 1.40x" in text
     assert "guesses in 5 of 10 engine steps" in text and "75 % of the guessed tokens" in text
+
+
+def test_spec_chart_legend_tells_the_temperatures_apart():
+    """Colour says the traffic, line style the temperature: the legend names both temperatures, each with its
+    own dash drawn without a marker (a marker hides a dash in a legend's short sample)."""
+    from labsupport.viz.spec_charts import plot_spec
+
+    rows = [{"sweep": "k", "workload": w, "k": k, "temperature": t, "batch": 1, "repeat": False,
+             "speedup": 1.0 + k / 10, "acceptance_length": 1 + k / 2}
+            for w in ("repetitive", "open-ended") for t in (0.0, 1.0) for k in (0, 4)]
+    rows += [{"sweep": "batch", "workload": "repetitive", "k": 4, "temperature": 0.0, "batch": 4, "repeat": False,
+              "speedup": 1.1, "acceptance_length": 3.0}]
+    fig = plot_spec({"method": "ngram", "max_tokens": 8, "rows": rows})
+    legend = fig.axes[0].get_legend()
+    styles = {t.get_text(): h for t, h in zip(legend.get_texts(), legend.legend_handles)}
+    assert {"T=0 (greedy)", "T=1", "repetitive", "open-ended"} <= set(styles)
+    greedy, sampled = styles["T=0 (greedy)"], styles["T=1"]
+    assert greedy.get_linestyle() != sampled.get_linestyle() and greedy.get_marker() in ("None", "", None)
+    dashes = {line.get_linestyle() for line in fig.axes[0].get_lines()}
+    assert dashes == {greedy.get_linestyle(), sampled.get_linestyle()}  # the plotted lines use exactly those

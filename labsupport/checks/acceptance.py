@@ -17,7 +17,9 @@ The mistakes it catches are quiet ones: always accepting (fast, wrong), acceptin
 (greedy right, sampling skewed), resampling from p instead of the residual (the rejected token
 comes back too often), no bonus token (slower), ignoring the draft's distribution (still the
 target's distribution, but fewer guesses accepted than the optimum, sum(min(p, q)): measured too). Then the rule
-runs inside the engine: greedy text must equal plain decoding, every block must come back.
+runs inside the engine: greedy text must equal plain decoding; sampled (temperature 1, seeded requests), the
+first token of every verified step must follow the target model's distribution at that position (within four
+standard deviations, ``check_sampled_in_engine``); every block must come back.
 """
 from __future__ import annotations
 
@@ -113,7 +115,8 @@ def _check_distribution(rule, trials: int):
 
 def check_acceptance_rule(accept_guesses, llm=None, trials: int = 8000):
     """The rule on its own (greedy cases, the sampled distribution), then, with ``llm`` (an engine made with
-    a ``speculative_config``), plugged into the engine: greedy output must equal plain decoding."""
+    a ``speculative_config``), plugged into the engine: greedy output must equal plain decoding, and sampled
+    output must follow the target's distribution (``check_sampled_in_engine``)."""
     _check_greedy(accept_guesses)
     _check_distribution(accept_guesses, trials)
     passed(f"greedy: guesses kept up to the first disagreement, then the target's token (a bonus token after "
@@ -121,26 +124,103 @@ def check_acceptance_rule(accept_guesses, llm=None, trials: int = 8000):
            "alpha 0.001), with a draft's distribution and with certain guesses")
     if llm is None:
         return
+    check_greedy_in_engine(accept_guesses, llm)
+    check_sampled_in_engine(accept_guesses, llm)
+
+
+def _generate_plugged(llm, rule, prompts, params):
+    try:
+        with llm.plugged(rejection_sample=rule):
+            return llm.generate(prompts, params, use_tqdm=False, use_result_cache=False)
+    except CheckFailed:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise CheckFailed(f"the engine failed on your rule: {type(exc).__name__}: {exc}") from exc
+
+
+def _blocks_back(llm):
+    stats = llm.stats()
+    if stats["kv_blocks_free"] != stats["kv_blocks_total"]:
+        raise CheckFailed("blocks are still held after the requests finished")
+
+
+def check_greedy_in_engine(accept_guesses, llm):
+    """The rule in the engine at temperature 0: the text must be plain greedy decoding's, token for token."""
     from ..engine.request import SamplingParams
 
     prompt = [{"role": "user", "content": "Repeat this list twice: red, green, blue, yellow, purple."}]
     params = SamplingParams(temperature=0, max_tokens=32)
     plain = llm.generate(prompt, params, use_tqdm=False)[0]  # the engine's own rule: equal to plain decoding
     before = llm.stats()
-    try:
-        with llm.plugged(rejection_sample=accept_guesses):
-            mine = llm.generate(prompt, params, use_tqdm=False)[0]
-    except CheckFailed:
-        raise
-    except Exception as exc:  # noqa: BLE001
-        raise CheckFailed(f"the engine failed on your rule: {type(exc).__name__}: {exc}") from exc
-    stats = llm.stats()
+    mine = _generate_plugged(llm, accept_guesses, prompt, params)[0]
     if mine.token_ids != plain.token_ids:
         raise CheckFailed(f"in the engine, greedy output on your rule differs from the engine's: {mine.text!r} vs "
                           f"{plain.text!r}")
-    if stats["kv_blocks_free"] != stats["kv_blocks_total"]:
-        raise CheckFailed("blocks are still held after the requests finished")
+    _blocks_back(llm)
+    stats = llm.stats()
     accepted = stats["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
     drafts = stats["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
     passed(f"in the engine: {len(mine.token_ids)} greedy tokens equal to plain decoding, {accepted} guesses accepted "
            f"in {drafts} verified steps (mean acceptance length {1 + accepted / max(drafts, 1):.2f}), every block back")
+
+
+SAMPLED_PROMPT = [{"role": "user", "content": "Repeat this list three times: red, green, blue, yellow, purple, "
+                                              "orange, pink, brown."}]
+
+
+def check_sampled_in_engine(accept_guesses, llm, requests: int = 32, max_tokens: int = 24,
+                            temperature: float = 1.0, seed: int = 0, z_max: float = 4.0, min_steps: int = 30):
+    """The rule in the engine at ``temperature`` > 0, on ``requests`` seeded requests: the first token of every
+    verified step must be drawn from the target's distribution at that position, whatever was guessed.
+
+    Each verified step hands the rule p, the target model's distribution at the first guessed position (after
+    the temperature), and a guess d. Whatever the rule does, the token it emits there must come out as d with
+    probability p(d), and as the target's likeliest other token t with probability p(t). Over the steps, the
+    counts of "emitted d" and "emitted t" must lie within ``z_max`` standard deviations of their expected
+    sums, sum(p(d)) and sum(p(t)); the standard deviation is sqrt(sum(p (1 - p))), exact for draws with
+    different p, each step's draw given what came before it (a martingale: the normal approximation holds).
+    A right rule fails about once in 16,000 runs per count (|z| > 4); the requests are seeded, so a given
+    rule passes or fails the same way every time. Greedy-only shortcuts fail here: accepting whenever p(d) >= q(d)
+    (never, for a certain guess, unless p(d) = 1), or on a rejection emitting the argmax instead of a draw."""
+    from ..engine.request import SamplingParams
+
+    seen = []  # (p at the first verified position, the guess, the token the rule emitted there)
+
+    def recorded(target_probs, guesses, draft_probs, generator=None):
+        p = target_probs[0].detach().clone()  # before the rule sees it: an in-place edit must not hide here
+        out = accept_guesses(target_probs, guesses, draft_probs, generator)
+        emitted = list(out)
+        if emitted:
+            seen.append((p, int(guesses[0]), int(emitted[0])))
+        return out
+
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i) for i in range(requests)]
+    _generate_plugged(llm, recorded, [SAMPLED_PROMPT] * requests, params)
+    _blocks_back(llm)
+    if len(seen) < min_steps:
+        raise CheckFailed(f"only {len(seen)} verified steps in {requests} sampled requests: too few to judge "
+                          f"(need {min_steps}); an engine whose proposer rarely guesses cannot check the rule")
+    counts = {"the guess": [0, 0.0, 0.0], "the likeliest other token": [0, 0.0, 0.0]}  # observed, expected, var
+    for p, d, got in seen:
+        other = p.clone()
+        other[d] = -1
+        for name, token in (("the guess", d), ("the likeliest other token", int(other.argmax()))):
+            pt = float(p[token])
+            counts[name][0] += got == token
+            counts[name][1] += pt
+            counts[name][2] += pt * (1 - pt)
+    for name, (observed, expected, var) in counts.items():
+        z = (observed - expected) / max(var, 1e-9) ** 0.5
+        if abs(z) > z_max:
+            raise CheckFailed(
+                f"sampled at temperature {temperature:g} in the engine, {len(seen)} verified steps: the first verified "
+                f"token was {name} {observed} times; the target's probabilities expect {expected:.1f} "
+                f"± {var ** 0.5:.1f} ({z:+.1f} standard deviations, beyond ±{z_max:g}). Accept a guess with "
+                "probability min(1, p(d) / q(d)) (a random draw, not a comparison), and at the first rejection "
+                "draw from max(p - q, 0), renormalised")
+    guess, other = counts["the guess"], counts["the likeliest other token"]
+    passed(f"in the engine, sampled at temperature {temperature:g} ({requests} seeded requests, {len(seen)} verified "
+           f"steps): the first verified token was the guess {guess[0]} times against the target's "
+           f"{guess[1]:.1f} ± {guess[2] ** 0.5:.1f}, the likeliest other token {other[0]} times against "
+           f"{other[1]:.1f} ± {other[2] ** 0.5:.1f} (tolerance ±{z_max:g} standard deviations), every block back")
+    return counts

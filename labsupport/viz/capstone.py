@@ -82,15 +82,27 @@ def format_decision(r: dict) -> str:
     rows = r["decision"]
     techs = list(rows[0]["techniques"]) if rows else []
     cell = lambda v: f"{v['verdict']} {_fmt(v['x'], '.2f')}x"  # noqa: E731
+    heads = techs + ["all vs transformers", "all vs vLLM"]
+    cells = [[cell(v) for v in row["techniques"].values()] + [cell(row["ours_vs_transformers"]),
+                                                              cell(row["ours_vs_vllm"])] for row in rows]
+    # each column as wide as its header or its widest cell: a header is never cut
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(heads)]
     out = [f"What each technique does to each traffic's headline (all vs all - technique; idle: no prefix shared, "
            f"nothing to reuse). Pays/costs, ahead/behind: {noise_line(r)}",
-           f"{'traffic':22} {'headline':13} " + " ".join(f"{t[:18]:>18}" for t in techs)
-           + f" {'all vs transformers':>20} {'all vs vLLM':>14}"]
-    for row in rows:
+           f"{'traffic':22} {'headline':13} " + "  ".join(f"{h:>{w}}" for h, w in zip(heads, widths))]
+    for row, line in zip(rows, cells):
         out.append(f"{row['traffic']:22} {HEADLINE_NAMES.get(row['headline'], row['headline']):13} "
-                   + " ".join(f"{cell(v):>18}" for v in row["techniques"].values())
-                   + f" {cell(row['ours_vs_transformers']):>20} {cell(row['ours_vs_vllm']):>14}")
+                   + "  ".join(f"{c:>{w}}" for c, w in zip(line, widths)))
     return "\n".join(out)
+
+
+def text_color(rgba) -> str:
+    """Black or white, whichever contrasts more with a cell of colour ``rgba`` (WCAG 2's contrast ratio of
+    relative luminances: the two tie at a luminance of about 0.18), so no label is dark on dark green."""
+    def linear(c):
+        return c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4
+    r, g, b = (linear(c) for c in rgba[:3])
+    return "white" if 0.2126 * r + 0.7152 * g + 0.0722 * b < 0.179 else "black"
 
 
 def plot_capstone(r: dict):
@@ -105,14 +117,15 @@ def plot_capstone(r: dict):
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [1.5, 1]})
     lx = np.log2(np.where(np.isfinite(x) & (x > 0), x, 1.0))
     lim = max(0.5, float(np.nanmax(np.abs(lx))))
-    a.imshow(lx, cmap="RdYlGn", norm=TwoSlopeNorm(0, -lim, lim), aspect="auto")
+    image = a.imshow(lx, cmap="RdYlGn", norm=TwoSlopeNorm(0, -lim, lim), aspect="auto")
     a.set_xticks(range(len(techs)), [t.replace(" ", "\n", 1) for t in techs], fontsize=8)
     a.set_yticks(range(len(rows)), [f"{row['traffic']}\n({HEADLINE_NAMES.get(row['headline'], row['headline'])})"
                                     for row in rows], fontsize=8)
     for i, row in enumerate(rows):
         for j, t in enumerate(techs):
             v = row["techniques"][t]
-            a.text(j, i, f"{v['verdict']}\n{_fmt(v['x'], '.2f')}x", ha="center", va="center", fontsize=8)
+            a.text(j, i, f"{v['verdict']}\n{_fmt(v['x'], '.2f')}x", ha="center", va="center", fontsize=8,
+                   color=text_color(image.cmap(image.norm(lx[i, j]))), gid="capstone-cell")
     names = [row["traffic"] for row in rows]
     pos = np.arange(len(rows))
     threshold = r["noise"]["threshold"]

@@ -11,7 +11,7 @@ hand-off is linked through its ``transfer_id``, which both ends of one pull shar
 * ``fetch_timelines``: the workers' answers; a worker that does not answer gives an ``error``
   entry instead of raising (a killed worker is part of the lesson).
 * ``plot_pd_timeline``: the static matplotlib figure (saved notebook, slides; also one colocated
-  worker alone, for the side-by-side).
+  worker alone, for the side-by-side); ``plot_pd_timelines``: several runs on one time scale.
 * ``PDTimelineWidget``: the live view, built like ``dashboard.ServerDashboard``: a daemon thread
   polls, an ipywidgets HTML view with inline SVG is redrawn (cheap: no matplotlib on the CPU the
   workers share), ``stop()`` joins the poller, polls once more and draws that.
@@ -28,7 +28,8 @@ import time
 from html import escape
 
 from .pd_timeline_data import _span, fetch_timelines, transfer_table
-from .pd_timeline_draw import COLORS, CSS, _size, plot_pd_timeline, render_svg
+from .pd_timeline_draw import (COLORS, CSS, _size, place_transfer_labels, plot_pd_timeline, plot_pd_timelines,
+                               render_svg)
 
 
 class PDTimelineWidget:

@@ -31,7 +31,8 @@ def plot_pd_timeline(timelines: dict[str, dict], ax=None, t0: float | None = Non
 
     Artists carry gids for tests: lanes ``pd-lane``, one PolyCollection of steps per lane
     ``pd-steps:<name>``, links ``pd-transfer``, one-sided transfers ``pd-transfer-half``, labels
-    ``pd-transfer-label``, an unreachable worker's message ``pd-error``. Returns the Axes."""
+    ``pd-transfer-label`` (placed by ``place_transfer_labels``), an unreachable worker's message ``pd-error``.
+    Returns the Axes."""
     import matplotlib.pyplot as plt
     from matplotlib.collections import PolyCollection
     from matplotlib.patches import Patch, Polygon, Rectangle
@@ -69,19 +70,22 @@ def plot_pd_timeline(timelines: dict[str, dict], ax=None, t0: float | None = Non
             pts = [(x(s["start"]), ya + d), (x(s["end"]), ya + d), (x(r["end"]), yb - d), (x(r["start"]), yb - d)]
             ax.add_patch(Polygon(pts, closed=True, facecolor=color, edgecolor=color, alpha=0.45, lw=1.5, zorder=3,
                                  gid="pd-transfer"))
-            at = (max(p[0] for p in pts), (ya + yb) / 2)
+            room = (min(ya, yb) + HALF, max(ya, yb) - HALF)  # the gap between the two lanes
+            band = (min(p[0] for p in pts), max(p[0] for p in pts))
         else:  # the other end is missing (or on the same lane): a hatched strip on this lane only
             for n, rec in (e for e in (send, recv) if e):
                 ax.add_patch(Rectangle((x(rec["start"]), lane[n] + HALF - 0.1), x(rec["end"]) - x(rec["start"]), 0.1,
                                        facecolor=color, edgecolor=color, hatch="///", alpha=0.6, zorder=3,
                                        gid="pd-transfer-half"))
             n, rec = send or recv
-            at = (x(rec["end"]), lane[n] + HALF - 0.05)
+            room = (lane[n] + HALF - 0.2, lane[n] + HALF + 0.15)  # the strip and the gap below it
+            band = (x(rec["start"]), x(rec["end"]))
         if i >= len(pairs) - max_labels:
-            text = f"{_size(row['bytes'])}\n{row['GB/s']:.2f} GB/s" if row["ok"] else f"failed: {row['error']}"[:40]
-            ax.annotate(text, at, (4, 0), textcoords="offset points", fontsize=7, ha="left", va="center", zorder=4,
-                        gid="pd-transfer-label",
-                        bbox=dict(boxstyle="round,pad=0.2", fc="white", ec=color, alpha=0.9))
+            text = f"{_size(row['bytes'])} · {row['GB/s']:.2f} GB/s" if row["ok"] else f"failed: {row['error']}"[:40]
+            label = ax.annotate(text, (band[1], sum(room) / 2), (4, 0), textcoords="offset points", fontsize=7,
+                                ha="left", va="center", zorder=4, gid="pd-transfer-label",
+                                bbox=dict(boxstyle="round,pad=0.2", fc="white", ec=color, alpha=0.9))
+            label.pd_room = (*band, *room)  # where place_transfer_labels may put it: beside the band, in the gap
     roles = ["unreachable" if "error" in timelines[n] else ROLE_NAME.get(timelines[n].get("role"), "?") for n in names]
     ax.set_yticks(range(len(names)), [f"{n}\n({r})" for n, r in zip(names, roles)], fontsize=8)
     ax.set_ylim(len(names) - 0.5, -0.5)  # the first lane on top
@@ -97,7 +101,70 @@ def plot_pd_timeline(timelines: dict[str, dict], ax=None, t0: float | None = Non
               [labels.get(k, f"{k} step") for k in kinds], fontsize=7, ncol=len(kinds), loc="lower right",
               bbox_to_anchor=(1, 1))
     ax.set_title(title or ("prefill/decode timeline" if pairs else "timeline"), loc="left", fontsize=10)
+    place_transfer_labels(ax)
     return ax
+
+
+def renderer_of(fig):
+    """The renderer that measures text on ``fig``; a figure closed in pyplot has lost its own, so it gets Agg's."""
+    if not hasattr(fig.canvas, "get_renderer"):
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        FigureCanvasAgg(fig)
+    return fig.canvas.get_renderer()
+
+
+def place_transfer_labels(ax):
+    """Put each transfer's label where it is read and nothing hides it: beside its band (right of it, or
+    left where the right runs past the axes' edge), in the gap between the lanes, in one of three rows,
+    never over an earlier label. A label with no such place is hidden (``transfer_table`` lists every
+    transfer). Measured on the figure as it is laid out now: call it again after ``tight_layout`` or a
+    change of the x-limits (``plot_pd_timelines`` does)."""
+    labels = sorted((a for a in ax.texts if hasattr(a, "pd_room")), key=lambda a: a.pd_room[1])
+    if not labels:
+        return
+    renderer = renderer_of(ax.figure)
+    frame, placed = ax.get_window_extent(renderer), []
+    to_px = ax.transData.transform
+    for label in labels:
+        left, right, y_lo, y_hi = label.pd_room
+        low, high = sorted(to_px([(left, y_lo), (left, y_hi)])[:, 1])  # in pixels (the y-axis is inverted)
+        label.set_visible(True)  # measured only while visible
+        spots = [(x, y, dx, ha) for y in ((y_lo + y_hi) / 2, y_lo + (y_hi - y_lo) / 4, y_hi - (y_hi - y_lo) / 4)
+                 for x, dx, ha in ((right, 4, "left"), (left, -4, "right"))]
+        for x, y, dx, ha in spots:
+            label.xy, label.xyann = (x, y), (dx, 0)
+            label.set_ha(ha)
+            box = label.get_window_extent(renderer).padded(1)
+            inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and low - 1 <= box.y0 and box.y1 <= high + 1
+            if inside and not any(box.overlaps(other) for other in placed):
+                placed.append(box)
+                break
+        else:
+            label.set_visible(False)
+
+
+def plot_pd_timelines(panels: list[tuple[dict[str, dict], str]], width: float = 12):
+    """Several runs (``(timelines, title)`` each), one above the other on one time scale: each panel's
+    time from its own first event, all panels with the x-limits of the longest, so equal widths are equal
+    durations. Panel heights follow their lane counts. Returns the figure (closed in pyplot)."""
+    import matplotlib.pyplot as plt
+
+    lanes = [max(len(lane_order(tl)), 1) for tl, _ in panels]
+    fig, axes = plt.subplots(len(panels), 1, sharex=True, squeeze=False, height_ratios=lanes,
+                             figsize=(width, 1.3 * len(panels) + 1.2 * sum(lanes)))
+    axes = list(axes[:, 0])
+    for ax, (timelines, title) in zip(axes, panels):
+        plot_pd_timeline(timelines, ax=ax, title=title)
+    spans = [_span(tl) for tl, _ in panels]
+    longest = max((1e3 * (s[1] - s[0]) for s in spans if s), default=1000)
+    axes[0].set_xlim(-5, longest + 5)  # shared: every panel now has these limits
+    for ax in axes:
+        ax.tick_params(labelbottom=True)  # each panel keeps its own time labels
+    fig.tight_layout()
+    for ax in axes:
+        place_transfer_labels(ax)
+    plt.close(fig)
+    return fig
 
 
 CSS = """<style>

@@ -9,8 +9,18 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-STYLE = {("repetitive", 0.0): ("#1f77b4", "-"), ("repetitive", 1.0): ("#1f77b4", "--"),
-         ("open-ended", 0.0): ("#ff7f0e", "-"), ("open-ended", 1.0): ("#ff7f0e", "--")}
+COLORS = {"repetitive": "#1f77b4", "open-ended": "#ff7f0e"}  # colour: the traffic
+DASHES = {0.0: "-", 1.0: "--"}  # line style: the temperature
+
+
+def _legend(ax, workloads, temperatures):
+    """One legend entry per traffic (its colour) and one per temperature (its line style, drawn long and
+    without a marker, so the dashes show): lines with markers hide a dash in a legend's short sample."""
+    from matplotlib.lines import Line2D
+    handles = [Line2D([], [], color=COLORS.get(w, "grey"), marker="o", lw=2) for w in workloads]
+    handles += [Line2D([], [], color="black", ls=DASHES.get(t, ":"), lw=1.5) for t in temperatures]
+    labels = list(workloads) + [f"T={t:g}" + (" (greedy)" if t == 0 else "") for t in temperatures]
+    return ax.legend(handles, labels, fontsize=8, handlelength=3.5)
 
 
 def plot_spec(report: dict, title: str | None = None):
@@ -20,7 +30,7 @@ def plot_spec(report: dict, title: str | None = None):
     for (workload, temp) in sorted({(r["workload"], r["temperature"]) for r in k_rows}):
         line = sorted((r for r in k_rows if r["workload"] == workload and r["temperature"] == temp),
                       key=lambda r: r["k"])
-        color, dash = STYLE.get((workload, temp), (None, "-"))
+        color, dash = COLORS.get(workload), DASHES.get(temp, ":")
         label = f"{workload}, T={temp:g}"
         axes[0].plot([r["k"] for r in line], [r.get("acceptance_length", 1.0) for r in line], dash, marker="o",
                      color=color, label=label)
@@ -28,7 +38,7 @@ def plot_spec(report: dict, title: str | None = None):
     axes[0].set(xlabel="guesses per step (k)", ylabel="tokens per verified step", title="acceptance length (1 user)")
     axes[1].axhline(1.0, color="grey", lw=0.8)
     axes[1].set(xlabel="guesses per step (k)", ylabel="x plain decoding", title="speed-up (1 user)")
-    axes[0].legend(fontsize=8)
+    _legend(axes[0], sorted({r["workload"] for r in k_rows}), sorted({r["temperature"] for r in k_rows}))
     batch = sorted((r for r in rows if r["sweep"] == "batch" and r["k"] > 0), key=lambda r: r["batch"])
     single = [r for r in k_rows if r["workload"] == "repetitive" and r["temperature"] == 0.0 and r["k"] > 0]
     k = batch[0]["k"] if batch else None
@@ -39,6 +49,7 @@ def plot_spec(report: dict, title: str | None = None):
             axes[2].annotate(f"{r.get('acceptance_length', 1):.1f} tok/step", (r["batch"], r["speedup"]),
                              textcoords="offset points", xytext=(4, 6), fontsize=8)
         axes[2].set_xscale("log", base=2)
+        axes[2].margins(x=0.15, y=0.2)  # room for the labels: none runs into the title or past the right edge
     axes[2].axhline(1.0, color="grey", lw=0.8)
     axes[2].set(xlabel="concurrent requests", ylabel="x plain decoding",
                 title=f"speed-up against batch (repetitive, greedy, k={k})")
