@@ -425,12 +425,18 @@ def release_ignores_sharing(allocator, block_table):
         allocator.free_blocks[block] = None
 
 
+def release_by_descending_id(allocator, block_table):   # tail first only where blocks were handed out in order
+    for block in sorted(block_table, reverse=True):
+        allocator.free(block)
+
+
 @pytest.mark.parametrize("piece,wrong", [("free_blocks_needed", cost_ignores_sharing),
                                          ("free_blocks_needed", cost_counts_cached_as_held),
                                          ("hold_prefix_blocks", hold_always_shares),
                                          ("hold_prefix_blocks", hold_allocates_fresh),
                                          ("release_blocks", release_head_first),
-                                         ("release_blocks", release_ignores_sharing)])
+                                         ("release_blocks", release_ignores_sharing),
+                                         ("release_blocks", release_by_descending_id)])
 def test_planted_wrong_prefix_admission_fails(admission_solutions, piece, wrong):
     pieces = {k: admission_solutions[k] for k in ("free_blocks_needed", "hold_prefix_blocks", "release_blocks")}
     pieces[piece] = wrong
