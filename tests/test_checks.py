@@ -1,11 +1,14 @@
 """Every exercise check passes the notebook's reference solution and fails planted wrong ones."""
+import random
+import re
+
 import pytest
 import torch
 
 from labsupport import checks
 from labsupport.engine.scheduler import SchedulerOutput
 
-from notebook_tools import chapter, exercise_solutions
+from notebook_tools import chapter, exercise_solutions, read
 
 
 @pytest.fixture(scope="module")
@@ -376,7 +379,7 @@ def test_planted_wrong_longest_prefix_fails(wrong):
 def admission_solutions():
     solutions = exercise_solutions(chapter("03"))
     return {k: solutions[k] for k in ("free_blocks_needed", "hold_prefix_blocks", "release_blocks",
-                                      "find_leaked_blocks", "WHICH_BLOCKS_LEAK")}
+                                      "find_leaked_blocks", "BUGGY_FUNCTION", "fixed_piece")}
 
 
 @pytest.fixture(scope="module")
@@ -389,8 +392,8 @@ def prefix_llm():
 def test_reference_prefix_admission_passes_and_runs_the_engine(admission_solutions, prefix_llm):
     s = admission_solutions
     checks.check_prefix_admission(s["free_blocks_needed"], s["hold_prefix_blocks"], s["release_blocks"], llm=prefix_llm)
-    checks.check_leak_finder(s["find_leaked_blocks"], s["WHICH_BLOCKS_LEAK"], llm=prefix_llm)
-    assert prefix_llm.stats()["kv_blocks_free"] == 64  # the planted bug's pool went with the check
+    checks.check_leak_finder(s["find_leaked_blocks"], llm=prefix_llm)
+    assert prefix_llm.stats()["kv_blocks_free"] == 64  # the leaking pool went with the check
 
 
 def cost_ignores_sharing(ref_counts, hit_blocks, num_blocks):
@@ -425,12 +428,18 @@ def release_ignores_sharing(allocator, block_table):
         allocator.free_blocks[block] = None
 
 
+def release_by_descending_id(allocator, block_table):   # tail first only where blocks were handed out in order
+    for block in sorted(block_table, reverse=True):
+        allocator.free(block)
+
+
 @pytest.mark.parametrize("piece,wrong", [("free_blocks_needed", cost_ignores_sharing),
                                          ("free_blocks_needed", cost_counts_cached_as_held),
                                          ("hold_prefix_blocks", hold_always_shares),
                                          ("hold_prefix_blocks", hold_allocates_fresh),
                                          ("release_blocks", release_head_first),
-                                         ("release_blocks", release_ignores_sharing)])
+                                         ("release_blocks", release_ignores_sharing),
+                                         ("release_blocks", release_by_descending_id)])
 def test_planted_wrong_prefix_admission_fails(admission_solutions, piece, wrong):
     pieces = {k: admission_solutions[k] for k in ("free_blocks_needed", "hold_prefix_blocks", "release_blocks")}
     pieces[piece] = wrong
@@ -457,25 +466,64 @@ def leak_finder_all_held(snapshot):
 @pytest.mark.parametrize("wrong", [leak_finder_orphans_only, leak_finder_all_held])
 def test_planted_wrong_leak_finder_fails(wrong):
     with pytest.raises(checks.CheckFailed):
-        checks.check_leak_finder(wrong, "b")
+        checks.check_leak_finder(wrong)
 
 
-@pytest.mark.parametrize("answer", ["a", "c", "d", "x"])
-def test_wrong_leak_diagnosis_fails(admission_solutions, answer):
-    with pytest.raises(checks.CheckFailed):
-        checks.check_leak_finder(admission_solutions["find_leaked_blocks"], answer)
+# ---- chapter 03's planted-bug hunt: four bugs, drawn at random ------------------------------------
+
+from labsupport.checks import mystery  # noqa: E402
+from labsupport.engine import block_pool  # noqa: E402
 
 
-def test_planted_bug_leaks_and_is_scoped(prefix_llm):
-    from labsupport import SamplingParams
+def _seed_drawing(kind):
+    return next(seed for seed in range(100) if random.Random(seed).choice(sorted(mystery.BUGS)) == kind)
 
-    with checks.planted_bug(prefix_llm) as bug:
-        bug.llm.generate([{"prompt_token_ids": list(range(10, 30))}], SamplingParams(max_tokens=3), use_tqdm=False)
-        stats = bug.llm.stats()
-        assert stats["kv_blocks_free"] == stats["kv_blocks_total"] - 1  # one leaked: the last of 2 blocks
-        assert len(bug.released) == 1 and len(bug.released[0]) == 2
+
+def _notebook_seed():
+    params = next(c for c in read(chapter("03")).cells if "parameters" in c.metadata.get("tags", []))
+    return int(re.search(r"^MYSTERY_SEED = (\d+)", params.source, re.MULTILINE).group(1))
+
+
+def test_reference_diagnosis_fixes_the_notebooks_planted_bug(admission_solutions, prefix_llm):
+    s = admission_solutions
+    checks.check_bug_fix(checks.planted_bug(prefix_llm, seed=_notebook_seed()), s["BUGGY_FUNCTION"], s["fixed_piece"])
     assert prefix_llm.stats()["kv_blocks_free"] == 64
-    assert prefix_llm.engine.kv.release_blocks.__name__ == "release_blocks"
+    assert prefix_llm.engine.kv.copy_on_write is block_pool.copy_on_write  # the engine's own pieces are back
+
+
+def test_the_draw_is_seeded_and_reaches_every_bug(prefix_llm):
+    assert checks.planted_bug(prefix_llm, seed=5)._kind == checks.planted_bug(prefix_llm, seed=5)._kind
+    assert {checks.planted_bug(prefix_llm, seed=s)._kind for s in range(20)} == set(mystery.BUGS)
+
+
+def test_the_correct_copies_behave_like_the_engines_own(prefix_llm):
+    own, copies = mystery.workload(prefix_llm), mystery.workload(prefix_llm, **mystery.CORRECT)
+    assert [(p.tokens, p.hits, p.cow_copies, p.free_after, p.error) for p in copies] == \
+        [(p.tokens, p.hits, p.cow_copies, p.free_after, p.error) for p in own]
+    assert all(p.free_after == 20 and p.error is None for p in own) and own[-1].cow_copies > 0
+
+
+ENGINE_OWN = {"hold_prefix_blocks": block_pool.hold_prefix_blocks, "release_blocks": block_pool.release_blocks,
+              "copy_on_write": block_pool.copy_on_write}
+
+
+@pytest.mark.parametrize("kind", sorted(mystery.BUGS))
+def test_each_planted_bug_is_caught_and_only_its_fix_passes(prefix_llm, kind):
+    """The bug shows in the evidence; the right name with the bug left in fails; a wrong name fails; the right
+    name with a correct function (the engine's own) passes, and the engine gets its own pieces back."""
+    bug = checks.planted_bug(prefix_llm, seed=_seed_drawing(kind))
+    name = bug._function
+    own, phases = mystery.workload(prefix_llm), bug.run()
+    summary = [(p.tokens, p.hits, p.cow_copies, p.free_after, p.error) for p in phases]
+    assert summary != [(p.tokens, p.hits, p.cow_copies, p.free_after, p.error) for p in own]
+    assert "#" not in bug.source(name) and f"def {name}(" in bug.source(name)  # no comment gives it away
+    with pytest.raises(checks.CheckFailed):
+        checks.check_bug_fix(bug, next(f for f in mystery.FUNCTIONS if f != name), ENGINE_OWN[name])
+    with pytest.raises(checks.CheckFailed):
+        checks.check_bug_fix(bug, name, bug.pieces[name])
+    checks.check_bug_fix(bug, name, ENGINE_OWN[name])
+    assert prefix_llm.stats()["kv_blocks_free"] == 64 and not prefix_llm.engine.kv.tables
+    assert prefix_llm.engine.kv.release_blocks is block_pool.release_blocks
 
 
 # ---- chapter 04: schedule() ---------------------------------------------------------------------
@@ -807,3 +855,66 @@ def test_sampled_check_in_the_engine_fails_a_rule_that_passes_greedy(ngram_llm, 
 def test_planted_wrong_acceptance_rule_fails(wrong):
     with pytest.raises(checks.CheckFailed):
         checks.check_acceptance_rule(wrong, trials=4000)
+
+
+# ---- chapter 02's hard exercise, part 2: one read for a mixed step of prefills and decodes ----------
+
+def _mixed_reference():
+    return exercise_solutions(chapter("02"))["paged_read_mixed"]
+
+
+def _rows_of(query_lens, context_lens):
+    """Each row's sequence and position, as the reference computes them."""
+    seq = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens)
+    first_row = torch.cumsum(query_lens, 0) - query_lens
+    return seq, (context_lens - query_lens)[seq] + torch.arange(len(seq)) - first_row[seq]
+
+
+def mixed_without_causal_mask(q, k_pool, v_pool, tables, qlens, clens, bs):   # every row sees the whole context
+    seq, _ = _rows_of(qlens, clens)
+    return exercise_solutions(chapter("02"))["paged_read"](q, k_pool, v_pool, tables[seq], clens[seq], bs)
+
+
+def mixed_row_reads_its_block_only(q, k_pool, v_pool, tables, qlens, clens, bs):   # ignores the earlier blocks
+    seq, pos = _rows_of(qlens, clens)
+    own_block = tables[seq, pos // bs][:, None]
+    return exercise_solutions(chapter("02"))["paged_read"](q, k_pool, v_pool, own_block, pos % bs + 1, bs)
+
+
+def mixed_positions_off_by_one(q, k_pool, v_pool, tables, qlens, clens, bs):   # length = position: own key left out
+    seq, pos = _rows_of(qlens, clens)
+    return exercise_solutions(chapter("02"))["paged_read"](q, k_pool, v_pool, tables[seq], pos.clamp(min=1), bs)
+
+
+def mixed_rows_not_reset_per_sequence(q, k_pool, v_pool, tables, qlens, clens, bs):   # offset from the step's row 0
+    seq = torch.repeat_interleave(torch.arange(len(qlens)), qlens)
+    pos = (clens - qlens)[seq] + torch.arange(len(seq))
+    return exercise_solutions(chapter("02"))["paged_read"](q, k_pool, v_pool, tables[seq], pos + 1, bs)
+
+
+MIXED_WRONG = [mixed_without_causal_mask, mixed_row_reads_its_block_only, mixed_positions_off_by_one,
+               mixed_rows_not_reset_per_sequence]
+
+
+def test_reference_paged_read_mixed_passes_and_runs_the_engine():
+    from labsupport import LLM
+
+    llm = LLM(device="cpu", num_blocks=64, block_size=16)
+    checks.check_paged_read_mixed(_mixed_reference(), llm)
+    assert llm.engine.backend.mixed_attention is None  # the engine's own split paths are back
+
+
+@pytest.mark.parametrize("wrong", MIXED_WRONG + [lambda q, k, v, t, n, c, bs: q.clone(),   # returns the query
+                                                 lambda q, k, v, t, n, c, bs: q[:1]])      # wrong shape
+def test_planted_wrong_paged_read_mixed_fails(wrong):
+    with pytest.raises(checks.CheckFailed):
+        checks.check_paged_read_mixed(wrong)
+
+
+def test_mixed_read_plugged_into_the_engine_really_runs_every_step():
+    """A read without the causal mask, plugged in, changes the engine's tokens: the plug point is live."""
+    from labsupport import LLM
+    from labsupport.checks.paged_read import _run_engine_mixed
+
+    with pytest.raises(checks.CheckFailed, match="other tokens"):
+        _run_engine_mixed(mixed_without_causal_mask, LLM(device="cpu", num_blocks=64, block_size=16))

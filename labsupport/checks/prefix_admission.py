@@ -1,4 +1,4 @@
-"""Checks for chapter 03's hard exercise (admitting a prefix hit) and its planted-bug hunt.
+"""Checks for chapter 03's hard exercise (admitting a prefix hit) and the leak detector of its planted-bug hunt.
 
 Admitting a request whose prefix is cached is where a paged pool with a prefix cache gets
 subtle: a hit block may be *live* (another request holds it: share it, free of charge) or *free
@@ -8,9 +8,9 @@ middle of a step, or refuses one that fits; taking another block hands the reque
 freeing head first evicts the shared prefix before the request's own tail. Each check below
 names the mistake it sees, then runs the real engine on the attendee's pieces.
 
-The planted bug: ``planted_bug(llm)`` runs an engine whose release path leaks. The attendee finds
-the leaked blocks from the block map's snapshot alone (held, yet no request owns them), as an
-engineer would on a dashboard whose free-block count only goes down.
+The leak detector finds leaked blocks from the block map's snapshot alone (held, yet no request owns
+them), as an engineer would on a dashboard whose free-block count only goes down. The planted bug
+itself, drawn at random from four, is ``mystery.py``'s.
 """
 from __future__ import annotations
 
@@ -80,15 +80,22 @@ def _check_release(release_blocks):
     if alloc.ref_counts[7] != 0 or 7 not in alloc.free_blocks:
         raise CheckFailed("block 7 was held by this request only: after release it must be free")
     alloc = _allocator()
-    table = [alloc.allocate() for _ in range(4)]  # 0 1 2 3: the prefix first, the tail last
-    release_blocks(alloc, table)
+    for _ in range(8):
+        alloc.allocate()
+    # A block table as a busy pool hands it out: scattered, neither ascending nor descending, so freeing
+    # by block id (either way) is not mistaken for freeing by position in the table.
+    table = [5, 2, 7, 0]  # the prefix first, the tail last
+    for block in (1, 3, 4, 6):
+        alloc.free(block)
+    release_blocks(alloc, list(table))
     order = list(alloc.free_blocks)[-4:]
-    if sorted(order) != table:
+    if sorted(order) != sorted(table):
         raise CheckFailed(f"releasing {table} must free every block once: the free list ends {order}")
     if order != table[::-1]:
         raise CheckFailed(f"releasing block table {table} freed them in the order {order}. Free the tail first "
-                          f"({table[::-1]}): allocate() takes the least recently freed block, so the blocks freed "
-                          "last (the prefix, the part other requests share) stay cached longest")
+                          f"({table[::-1]}), by position in the table, not by block id: allocate() takes the least "
+                          "recently freed block, so the blocks freed last (the prefix, the part other requests "
+                          "share) stay cached longest")
 
 
 def admission_scenario(llm, **pieces):
@@ -157,44 +164,17 @@ def check_prefix_admission(free_blocks_needed, hold_prefix_blocks, release_block
            f"{own[1]}, every block free at the end")
 
 
-# ---------------------------------------------------------------- the planted bug
-
-class PlantedBug:
-    """The engine under the planted bug, and its debug log: every block table it was asked to release."""
-
-    def __init__(self, llm):
-        self.llm, self.released = llm, []
-
-    def release_blocks(self, allocator, block_table):
-        self.released.append(list(block_table))
-        for block in reversed(block_table[:-1]):  # the planted bug (do not copy)
-            allocator.free(block)
-
-
-@contextlib.contextmanager
-def planted_bug(llm):
-    """``with planted_bug(llm) as bug: bug.llm.generate(...)`` runs ``llm`` (a paged engine) on a fresh pool
-    with a bug in how requests give their blocks back; ``bug.released`` logs the block tables released.
-    On exit the engine's own pieces and pool come back (the leaky pool, and its leaks, go)."""
-    from ..engine.block_pool import BlockAllocator
-
-    bug = PlantedBug(llm)
-    with llm.plugged(block_allocator=BlockAllocator(llm.engine.kv.num_blocks), release_blocks=bug.release_blocks):
-        yield bug
-
+# ---------------------------------------------------------------- the leak detector
 
 def _snap(refs, owners):
     return {"ref_counts": refs, "owners": owners, "block_size": 4, "tokens": [0] * len(refs),
             "cached": [False] * len(refs)}
 
 
-LEAK_ANSWERS = {"a": "the first block of every request", "b": "the last block of every request",
-                "c": "the blocks of the shared prefix", "d": "only blocks of requests that were preempted"}
-
-
-def check_leak_finder(find_leaked_blocks, answer: str, llm=None):
+def check_leak_finder(find_leaked_blocks, llm=None):
     """``find_leaked_blocks(snapshot) -> sorted block ids`` held by more requests than own them (a
-    ``KVCacheManager.snapshot()``), and ``answer``, a key of ``LEAK_ANSWERS``: which blocks leak."""
+    ``KVCacheManager.snapshot()``). With ``llm`` (a prefix-caching paged engine), also on the snapshot of an engine
+    that leaks (``mystery.py``'s leak, every request finished)."""
     cases = [(_snap([0, 1, 1, 0], [[], ["A"], ["A"], []]), [], "a healthy pool: every held block has its owner"),
              (_snap([1, 0, 2, 0], [[], [], ["A", "B"], []]), [0], "block 0 is held (ref count 1) but no request "
               "owns it"),
@@ -207,23 +187,15 @@ def check_leak_finder(find_leaked_blocks, answer: str, llm=None):
             raise CheckFailed(f"ref_counts {snap['ref_counts']}, owners {snap['owners']}: expected {want}, got {got} "
                               f"({why}). A block leaks when its ref count exceeds the number of requests that own it")
     passed("find_leaked_blocks finds held blocks nobody owns, and shares nobody gave back, in 4 pools")
-    if llm is not None:
-        from ..engine.request import SamplingParams
+    if llm is None:
+        return
+    from .mystery import BUGS, CORRECT, workload
 
-        prompts = [{"prompt_token_ids": list(range(100 * i + 7, 100 * i + 7 + n))} for i, n in enumerate((9, 20, 33))]
-        with planted_bug(llm):
-            llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), use_tqdm=False)
-            snap = llm.engine.kv.snapshot()
-            found = sorted(find_leaked_blocks(snap))
-        held = [b for b, refs in enumerate(snap["ref_counts"]) if refs > 0]  # every request has finished
+    function, leaky, _ = BUGS["leak"]
+    for phase in workload(llm, **{**CORRECT, function: leaky}):
+        held = [b for b, refs in enumerate(phase.snapshot["ref_counts"]) if refs > 0]  # every request has finished
+        found = sorted(find_leaked_blocks(phase.snapshot))
         if found != held:
-            raise CheckFailed(f"on the planted-bug engine (all 3 requests finished) you found {found}; the blocks "
-                              f"still held are {held}")
-        passed(f"on a fresh run of the planted-bug engine your finder names {len(found)} leaked blocks")
-    key = str(answer).strip().lower()[:1]
-    if key not in LEAK_ANSWERS:
-        raise CheckFailed(f"answer with one of {sorted(LEAK_ANSWERS)}: {LEAK_ANSWERS}")
-    if key != "b":
-        raise CheckFailed(f"not {LEAK_ANSWERS[key]}: compare the leaked blocks with each request's block table")
-    passed("diagnosis: release_blocks skips the last block of every block table (an off-by-one: "
-           "block_table[:-1]). The fix: free every block, tail first")
+            raise CheckFailed(f"on an engine that leaks, after phase '{phase.name}' (every request finished) you "
+                              f"found {found}; the blocks still held are {held}")
+    passed(f"on an engine that leaks your finder named the held blocks after each phase ({len(held)} at the end)")

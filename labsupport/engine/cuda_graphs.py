@@ -62,7 +62,7 @@ class DecodeGraphs:
     def can_run(self, batch) -> bool:
         return (0 < len(batch.requests) <= self.max_batch
                 and all(n == 1 for n in batch.num_new_tokens)
-                and self.backend.decode_attention is self.decode_fn
+                and self.backend.decode_attention is self.decode_fn and self.backend.mixed_attention is None
                 and self.backend.slot_mapping is slot_mapping)  # an attendee's own is checked eagerly
 
     @torch.inference_mode()

@@ -46,7 +46,8 @@ class DecodeRows:
 
 @dataclass
 class PrefillSeqs:
-    """Every prefill sequence of a step, for a kernel that serves them in one call (``kernels/cpu_attention.py``)."""
+    """Every prefill sequence of a step, for a kernel that serves them in one call (``kernels/cpu_attention.py``); or
+    every sequence of a step, decodes included, for a plugged ``mixed_attention`` (chapter 02)."""
 
     block_tables: torch.Tensor  # [S, max_blocks] (padded with block 0)
     starts: torch.Tensor        # [S] first row of each in the flat batch
@@ -108,6 +109,7 @@ class PagedAttention(AttentionBackend):
         self.slot_mapping = slot_mapping  # chapter 02's exercise plugs the attendee's own in here
         self.decode_attention = paged_decode_attention  # gathers the blocks; a GPU reads them in place:
         self.prefill_kernel = None  # or every prefill sequence of a step in one call, read in place (the CPU's)
+        self.mixed_attention = None  # chapter 02's plug point: every row of a step, prefill or decode, in one call
         if torch.device(device).type == "cuda":
             from . import triton_attention  # imports triton only here, and only if it is installed
             if triton_attention.available(device):
@@ -149,7 +151,16 @@ class PagedAttention(AttentionBackend):
                   for i, (n, ctx) in enumerate(zip(batch.query_lens, batch.context_lens))
                   if self._as_decode(requests[i], n) for j in range(n)]
         extra = {"slot_mapping": torch.tensor(writes, dtype=torch.long, device=dev), "decode": None, "prefill": [],
-                 "prefill_seqs": None}
+                 "prefill_seqs": None, "mixed": None}
+        if self.mixed_attention is not None:  # one call for the whole step: a decode row is a 1-token chunk
+            width = -(-max(batch.context_lens) // bs)
+            tables = [req.block_table[:width] for req in requests]
+            extra["mixed"] = PrefillSeqs(
+                torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev),
+                *(torch.tensor(v, dtype=torch.long, device=dev)
+                  for v in (batch.query_offsets[:-1], batch.query_lens, batch.context_lens)))
+            batch.extra = extra
+            return batch
         if decode:
             lens = [length for _, _, length in decode]
             width = -(-max(lens) // bs)
@@ -194,6 +205,8 @@ class PagedAttention(AttentionBackend):
         v_pool.index_copy_(1, x["slot_mapping"], v.transpose(0, 1))
         if self.connector is not None:
             self.connector.save_kv_layer(layer, k_pool, v_pool, batch)  # a push connector sends it now
+        if x.get("mixed") is not None:  # extra built elsewhere (CUDA graphs) has no "mixed"
+            return self.mixed_attention(q, k_pool, v_pool, x["mixed"], self.block_size)
         rows, seqs = x["decode"], x["prefill_seqs"]
         if rows is not None and not x["prefill"] and seqs is None:  # the common step: decodes only, in order
             return self.decode_attention(q, k_pool, v_pool, rows, self.block_size)

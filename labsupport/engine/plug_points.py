@@ -55,6 +55,7 @@ class PlugPoints:
         if isinstance(self.kv, KVCacheManager):
             points |= {"slot_mapping": (self.backend, "slot_mapping"),  # ch. 02: token -> pool slot
                        "decode_attention": (self.backend, "decode_attention"),  # ch. 02: the paged read
+                       "mixed_attention": (self.backend, "mixed_attention"),  # ch. 02: a whole mixed step's read
                        "block_allocator": (self.kv, "allocator"),  # ch. 02: an allocator instance
                        "chain_hashes": (self.kv, "chain_hashes"),  # ch. 03: block hashes
                        "longest_prefix": (self.kv, "longest_prefix"),  # ch. 03: the cached run
@@ -79,8 +80,8 @@ class PlugPoints:
             if name not in points:
                 raise ValueError(f"no plug point {name!r} on this engine (kv_cache={self.config.kv_cache!r}); "
                                  f"it has {sorted(points)}")
-            if name == "schedule_fn" and piece is None:
-                continue  # None: the engine's own policy
+            if name in ("schedule_fn", "mixed_attention") and piece is None:
+                continue  # None: the engine's own policy, or its own split of decode and prefill rows
             if name != "block_allocator" and not callable(piece):
                 raise ValueError(f"{name} must be a function, got {type(piece).__name__}")
         old = {name: getattr(*points[name]) for name in pieces}
