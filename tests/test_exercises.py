@@ -138,3 +138,38 @@ def test_use_reference_swaps_the_reference_in_for_every_exercise(path):
         assert callable(ref) and ref.__name__ == name
     with pytest.raises(ValueError, match="no exercise"):
         exercises.reference("no_such_exercise")
+
+
+def exercise_headings(path):
+    """The markdown heading that introduces each exercise cell (the last one above it), number stripped:
+    "## 3. Warm-up: the chunking rule" -> "Warm-up: the chunking rule"."""
+    import re
+
+    headings, last = [], None
+    for cell in read(path).cells:
+        if cell.cell_type == "markdown":
+            for line in cell.source.splitlines():
+                if line.startswith("#"):
+                    last = re.sub(r"^#+\s*(\d+\.\s*)?", "", line)
+        elif "exercise" in cell.metadata.get("tags", []):
+            headings.append(last)
+    return headings
+
+
+# How many warm-ups (transcription exercises: the text gives the steps, the attendee turns them into code)
+# each chapter has; the chapters listed here are held to the labelling convention below.
+WARM_UPS = {"00_": 1, "04_": 0, "05_": 1}
+
+
+@pytest.mark.parametrize("path", [p for p in CHAPTERS if p.name[:3] in WARM_UPS], ids=lambda p: p.name)
+def test_warm_ups_are_labelled_in_their_heading_and_in_the_learning_goals(path):
+    """A warm-up's heading starts with "Warm-up:", and the learning goals call it one, so an attendee knows
+    which exercise is practice and which is the hard part before starting."""
+    headings = exercise_headings(path)
+    warm = [h for h in headings if h.startswith("Warm-up:")]
+    assert len(warm) == WARM_UPS[path.name[:3]], f"{path.name}: warm-up headings {warm} among {headings}"
+    assert not any("warm-up" in h.lower() and not h.startswith("Warm-up:") for h in headings), \
+        f"{path.name}: a warm-up heading starts with 'Warm-up:' ({headings})"
+    goals = read(path).cells[0].source.lower()
+    assert goals.count("warm-up") >= len(warm) and (("warm-up" in goals) == bool(warm)), \
+        f"{path.name}: the learning goals and the headings {headings} disagree about warm-ups"
