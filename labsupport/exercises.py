@@ -9,8 +9,15 @@ executes. A code cell tagged ``exercise`` marks the attendee's part between two 
 
 ``python -m labsupport.exercises`` writes ``notebooks/exercises/NN_*.ipynb``: outputs cleared,
 each solution replaced by ``raise NotImplementedError(...)``, and the solution kept in a
-collapsed "Reveal the reference solution" cell right below, so nobody has to go looking for it.
-A test regenerates them and fails if the committed copies are stale.
+collapsed "Reveal the reference solution" cell placed right after the exercise's **check cell**,
+not under the stub: an attendee meets the check (and its verdict on their own attempt) before the
+answer, yet nobody has to go looking for the answer once they have tried.
+
+A check cell is recognised by what every chapter's check cell already holds, the swap for a stuck
+attendee: ``NAME = exercises.reference("NAME", globals())`` for a name the exercise defines. The
+first later code cell with that line is the exercise's check; an exercise without one is an error,
+so a chapter cannot ship a reveal with nothing to check against. A test regenerates the copies and
+fails if the committed ones are stale or if any reveal comes before its check.
 
 Stuck? Every chapter's ``parameters`` cell has ``USE_REFERENCE = False``; set it to ``True`` and
 each check cell swaps in the reference solution (``reference(name, globals())``, read from the
@@ -78,23 +85,56 @@ def clean_chapter(nb: nbformat.NotebookNode) -> bool:
     return changed
 
 
+DEFINED = re.compile(r"^(?:def|class)\s+(\w+)|^(\w+)\s*=(?!=)", re.MULTILINE)
+
+
+def is_exercise(cell) -> bool:
+    return cell.cell_type == "code" and "exercise" in cell.metadata.get("tags", [])
+
+
+def exercise_names(source: str) -> list[str]:
+    """The names an exercise cell defines at top level (functions, classes, answers like ``X = ...``)."""
+    return [a or b for a, b in DEFINED.findall(source)]
+
+
+def is_check_of(cell, names) -> bool:
+    """Whether ``cell`` checks an exercise defining ``names``: it swaps in the reference of one of them."""
+    return cell.cell_type == "code" and any(f'exercises.reference("{name}"' in cell.source for name in names)
+
+
+def check_cell_index(cells, exercise: int) -> int:
+    """Index of the check cell of the exercise at ``cells[exercise]``: the first later code cell that
+    swaps in the reference of a name the exercise defines."""
+    names = exercise_names(cells[exercise].source)
+    for i in range(exercise + 1, len(cells)):
+        if is_check_of(cells[i], names):
+            return i
+    raise ValueError(f"the exercise defining {names} has no check cell after it "
+                     f'(a code cell with `NAME = exercises.reference("NAME", globals())`)')
+
+
+def reveal_cell(solution: str) -> nbformat.NotebookNode:
+    reveal = ("<details><summary><b>Reveal the reference solution</b> (try first!)</summary>\n\n"
+              f"```python\n{solution}\n```\n</details>")
+    return nbformat.v4.new_markdown_cell(reveal, metadata={"tags": ["solution"]})
+
+
 def student_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     out = copy.deepcopy(nb)
     out.metadata.pop("widgets", None)  # the saved widgets' state belongs to outputs that are cleared below
+    reveals = {}  # check cell index -> the reveal cells that go right after it
+    for i, cell in enumerate(out.cells):
+        if is_exercise(cell):
+            check = check_cell_index(out.cells, i)   # before the cut: a name may be defined inside the solution
+            cell.source, solution = split_solution(cell.source)
+            reveals.setdefault(check, []).append(reveal_cell(solution))
     cells = []
-    for cell in out.cells:
+    for i, cell in enumerate(out.cells):
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
             cell.metadata.pop("execution", None)  # run timestamps: they would change with every run
-        if cell.cell_type == "code" and "exercise" in cell.metadata.get("tags", []):
-            student, solution = split_solution(cell.source)
-            cell.source = student
-            cells.append(cell)
-            reveal = ("<details><summary><b>Reveal the reference solution</b> (try first!)</summary>\n\n"
-                      f"```python\n{solution}\n```\n</details>")
-            cells.append(nbformat.v4.new_markdown_cell(reveal, metadata={"tags": ["solution"]}))
-        else:
-            cells.append(cell)
+        cells.append(cell)
+        cells.extend(reveals.get(i, []))
     for c in cells:
         c.pop("id", None)
     out.cells = cells
@@ -107,10 +147,7 @@ def reference(name: str, namespace: dict | None = None):
     root = Path(__file__).resolve().parent.parent
     for chapter in chapters(root):
         for cell in nbformat.read(chapter, as_version=4).cells:
-            if cell.cell_type != "code" or "exercise" not in cell.metadata.get("tags", []):
-                continue
-            if any(line.startswith((f"def {name}(", f"class {name}(", f"class {name}:", f"{name} = "))
-                   for line in cell.source.splitlines()):
+            if is_exercise(cell) and name in exercise_names(cell.source):
                 scope = dict(namespace or {})
                 exec(compile(cell.source, f"{chapter.name} (reference solution)", "exec"), scope)
                 return scope[name]

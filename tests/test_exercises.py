@@ -18,13 +18,66 @@ def test_every_chapter_has_an_exercise_with_a_revealable_solution(path):
     tagged = [c for c in read(path).cells if "exercise" in c.metadata.get("tags", [])]
     assert tagged, f"{path.name} has no cell tagged 'exercise'"
     student = read(exercises.exercise_path(path))
-    for i, cell in enumerate(student.cells):
-        if "exercise" in cell.metadata.get("tags", []):
-            assert exercises.STUB in cell.source and exercises.BEGIN not in cell.source
-            reveal = student.cells[i + 1]
-            assert reveal.cell_type == "markdown" and "Reveal the reference solution" in reveal.source
+    stubs = [c for c in student.cells if "exercise" in c.metadata.get("tags", [])]
+    assert len(stubs) == len(tagged)
+    assert all(exercises.STUB in c.source and exercises.BEGIN not in c.source for c in stubs)
+    assert len([c for c in student.cells if is_reveal(c)]) == len(tagged), "one reveal per exercise"
     assert all(not c.get("outputs") for c in student.cells if c.cell_type == "code")
     assert "widgets" not in student.metadata, "stale widget state in the attendee version"
+
+
+def is_reveal(cell):
+    return cell.cell_type == "markdown" and "Reveal the reference solution" in cell.source
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_every_reveal_comes_right_after_its_exercises_check(path):
+    """An attendee meets the check of their attempt before the answer: between an exercise's stub and the
+    first code cell that swaps in its reference (its check cell) there is no reveal; right after it, there is."""
+    import re
+
+    cells = read(exercises.exercise_path(path)).cells
+    for i, cell in enumerate(cells):
+        if "exercise" not in cell.metadata.get("tags", []):
+            continue
+        names = re.findall(r"^(?:def|class) (\w+)", cell.source, re.MULTILINE)
+        check = next((j for j in range(i + 1, len(cells)) if cells[j].cell_type == "code"
+                      and any(f'{n} = exercises.reference("{n}", globals())' in cells[j].source for n in names)), None)
+        assert check is not None, f"{path.name}: the exercise defining {names} has no check cell after it"
+        early = [j for j in range(i + 1, check) if is_reveal(cells[j])]
+        assert not early, f"{path.name}: the reveal of {names} (cell {early[0]}) precedes its check (cell {check})"
+        assert is_reveal(cells[check + 1]) and any(f"def {n}(" in cells[check + 1].source or f"class {n}" in
+                                                   cells[check + 1].source for n in names), \
+            f"{path.name}: no reveal of {names} right after its check (cell {check})"
+
+
+def test_reveal_is_placed_after_the_check_even_past_other_cells():
+    """The generator itself, on a small notebook: prose between stub and check, two exercises in a row."""
+    import nbformat
+
+    new = nbformat.v4
+    nb = new.new_notebook(cells=[
+        new.new_code_cell("def f():\n    # BEGIN SOLUTION\n    return 1\n    # END SOLUTION", metadata={"tags": ["exercise"]}),
+        new.new_markdown_cell("Run the check."),
+        new.new_code_cell("print('not a check')"),
+        new.new_code_cell('if USE_REFERENCE:\n    f = exercises.reference("f", globals())\ncheck(f)'),
+        new.new_code_cell("def g():\n    # BEGIN SOLUTION\n    return 2\n    # END SOLUTION", metadata={"tags": ["exercise"]}),
+        new.new_code_cell('if USE_REFERENCE:\n    g = exercises.reference("g", globals())\ncheck(g)'),
+    ])
+    cells = exercises.student_notebook(nb).cells
+    kinds = ["reveal " + ("f" if "return 1" in c.source else "g") if is_reveal(c) else c.cell_type for c in cells]
+    assert kinds == ["code", "markdown", "code", "code", "reveal f", "code", "code", "reveal g"]
+
+
+def test_an_exercise_without_a_check_cell_is_refused():
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("def f():\n    # BEGIN SOLUTION\n    return 1\n    # END SOLUTION",
+                                  metadata={"tags": ["exercise"]}),
+        nbformat.v4.new_code_cell("check(f)")])   # no reference swap: nothing marks it as f's check
+    with pytest.raises(ValueError, match="no check cell"):
+        exercises.student_notebook(nb)
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
@@ -85,3 +138,38 @@ def test_use_reference_swaps_the_reference_in_for_every_exercise(path):
         assert callable(ref) and ref.__name__ == name
     with pytest.raises(ValueError, match="no exercise"):
         exercises.reference("no_such_exercise")
+
+
+def exercise_headings(path):
+    """The markdown heading that introduces each exercise cell (the last one above it), number stripped:
+    "## 3. Warm-up: the chunking rule" -> "Warm-up: the chunking rule"."""
+    import re
+
+    headings, last = [], None
+    for cell in read(path).cells:
+        if cell.cell_type == "markdown":
+            for line in cell.source.splitlines():
+                if line.startswith("#"):
+                    last = re.sub(r"^#+\s*(\d+\.\s*)?", "", line)
+        elif "exercise" in cell.metadata.get("tags", []):
+            headings.append(last)
+    return headings
+
+
+# How many warm-ups (transcription exercises: the text gives the steps, the attendee turns them into code)
+# each chapter has; the chapters listed here are held to the labelling convention below.
+WARM_UPS = {"00_": 1, "04_": 0, "05_": 1}
+
+
+@pytest.mark.parametrize("path", [p for p in CHAPTERS if p.name[:3] in WARM_UPS], ids=lambda p: p.name)
+def test_warm_ups_are_labelled_in_their_heading_and_in_the_learning_goals(path):
+    """A warm-up's heading starts with "Warm-up:", and the learning goals call it one, so an attendee knows
+    which exercise is practice and which is the hard part before starting."""
+    headings = exercise_headings(path)
+    warm = [h for h in headings if h.startswith("Warm-up:")]
+    assert len(warm) == WARM_UPS[path.name[:3]], f"{path.name}: warm-up headings {warm} among {headings}"
+    assert not any("warm-up" in h.lower() and not h.startswith("Warm-up:") for h in headings), \
+        f"{path.name}: a warm-up heading starts with 'Warm-up:' ({headings})"
+    goals = read(path).cells[0].source.lower()
+    assert goals.count("warm-up") >= len(warm) and (("warm-up" in goals) == bool(warm)), \
+        f"{path.name}: the learning goals and the headings {headings} disagree about warm-ups"
