@@ -37,10 +37,12 @@ def test_every_reveal_comes_right_after_its_exercises_check(path):
     import re
 
     cells = read(exercises.exercise_path(path)).cells
-    for i, cell in enumerate(cells):
-        if "exercise" not in cell.metadata.get("tags", []):
-            continue
-        names = re.findall(r"^(?:def|class) (\w+)", cell.source, re.MULTILINE)
+    # the names come from the chapter's cell: a stub whose whole body is the attendee's part defines none
+    solutions = [c for c in read(path).cells if "exercise" in c.metadata.get("tags", [])]
+    stubs = [i for i, c in enumerate(cells) if "exercise" in c.metadata.get("tags", [])]
+    assert len(stubs) == len(solutions), f"{path.name}: {len(stubs)} stubs for {len(solutions)} exercises"
+    for i, solution in zip(stubs, solutions):
+        names = re.findall(r"^(?:def|class) (\w+)", solution.source, re.MULTILINE)
         check = next((j for j in range(i + 1, len(cells)) if cells[j].cell_type == "code"
                       and any(f'{n} = exercises.reference("{n}", globals())' in cells[j].source for n in names)), None)
         assert check is not None, f"{path.name}: the exercise defining {names} has no check cell after it"

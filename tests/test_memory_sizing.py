@@ -328,7 +328,7 @@ def test_the_cpu_weights_file_is_mapped_and_an_unwritable_cache_falls_back(llm, 
     want = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     not_a_folder = tmp_path / "a-file"  # where the cache's folder should be (unwritable even for root)
     not_a_folder.write_text("")
-    monkeypatch.setattr(cpu_weights, "cache_file", lambda folder, key: not_a_folder / f"{key}.pt")
+    monkeypatch.setattr(cpu_weights, "cache_file", lambda cache, folder, key: not_a_folder / f"{key}.pt")
     other = LLM(model=str(model_copy), device="cpu", num_blocks=16)  # cannot write the file: loads as before
     assert other.engine.model.shared_weights.mapped is None
     assert [o.token_ids for o in other.generate(prompts, GREEDY, use_tqdm=False)] == want
@@ -340,7 +340,7 @@ def test_the_first_engine_writes_the_cpu_weights_file_and_maps_it_with_the_same_
     prompts = ["The capital of France is", "def fibonacci(n):"]
     want = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     cache = tmp_path / "cache"
-    monkeypatch.setattr(cpu_weights, "cache_file", lambda folder, key: cache / f"{key}.pt")
+    monkeypatch.setattr(cpu_weights, "cache_file", lambda cache_dir, folder, key: cache / f"{key}.pt")
     other = LLM(model=str(model_copy), device="cpu", num_blocks=16)
     assert other.engine.model.shared_weights.mapped.parent == cache  # built, saved, then mapped like every later one
     assert [o.token_ids for o in other.generate(prompts, GREEDY, use_tqdm=False)] == want
