@@ -2,7 +2,9 @@
 
 A deck asks for it with a line ``<!-- course-map -->`` (``build.py`` expands it before Marp runs),
 so the map is written once here and cannot drift between decks. It is the first seed's picture:
-three wastes a serving engine removes, and the request path each chapter works on.
+the wastes a serving engine removes, and the request path each chapter works on. The same path, every
+chapter placed on its stations (``pipeline_table``), opens chapter 00 and the wrap-up deck; a test holds
+chapter 00's copy to this one.
 """
 from __future__ import annotations
 
@@ -11,7 +13,10 @@ import re
 DIRECTIVE = re.compile(r"^<!--\s*course-map\s*-->[ \t]*$", re.MULTILINE)
 
 # The request path, in the order a request meets it; each chapter names the stations it changes.
-PATH = ["request", "result cache", "prefix cache", "scheduler", "prefill", "KV blocks", "decode", "answer"]
+# The first article's pipeline: gateway/router -> cache -> prefill -> KV transfer -> decode, with batching
+# (the scheduler) deciding what runs in each step.
+PATH = ["request", "router", "result cache", "prefix cache", "scheduler", "prefill", "KV transfer", "KV blocks",
+        "decode", "answer"]
 
 CHAPTERS = {
     "00": ("from model to API", ["request", "prefill", "decode", "answer"]),
@@ -21,7 +26,7 @@ CHAPTERS = {
     "04": ("continuous batching", ["scheduler", "decode"]),
     "05": ("chunked prefill", ["scheduler", "prefill"]),
     "06": ("serving", ["request", "answer"]),
-    "07": ("PD disaggregation", ["prefill", "KV blocks", "decode"]),
+    "07": ("PD disaggregation", ["router", "prefill", "KV transfer", "KV blocks", "decode"]),
     "08": ("the same in vLLM", PATH),
     "09": ("compute less", ["prefill", "decode"]),
     "10": ("wrap-up: the whole course", PATH),  # the last deck; no chapter of its own to highlight
@@ -39,8 +44,9 @@ PICTURES = {
 # (the waste, what removes it, the chapters that do it)
 WASTES = [
     ("repeated computation", "keep past tokens' KV; reuse shared prefixes and whole answers", ["01", "03"]),
-    ("an idle accelerator", "batch decodes, refill slots every step, chunk long prompts, split prefill from decode",
-     ["04", "05", "07"]),
+    ("an idle accelerator", "batch decodes, refill a slot the step it frees, fork n samples from one prompt", ["04"]),
+    ("prefill/decode interference", "a long prompt's step stalls every decoding user: chunk it beside the decodes, "
+     "or give prefill and decode their own workers", ["05", "07"]),
     ("memory", "count KV bytes, page the cache into blocks, spill to a CPU tier", ["01", "02", "03"]),
     ("and then", "serve it for real, run the same in vLLM, compute less", ["00", "06", "08", "09"]),
 ]
@@ -69,6 +75,22 @@ def course_map(here: str) -> str:
             + (f" The picture: {PICTURES[here]}." if here in PICTURES else "") + "\n\n</div>\n")
 
 
+def pipeline_table() -> str:
+    """The request path as a one-row-per-station table, every chapter on the stations it changes (the wrap-up's
+    ``<!-- pipeline -->`` and chapter 00's road map)."""
+    rows = []
+    for station in PATH:
+        chapters = [f"{nn} {title}" for nn, (title, stations) in CHAPTERS.items()
+                    if station in stations and stations is not PATH]  # 08 and the wrap-up cover the whole path
+        rows.append(f"| {station} | {' · '.join(chapters)} |")
+    rows.append(f"| the whole path again, vLLM beside our engine | 08 {CHAPTERS['08'][0]} |")
+    return "| station, in the order a request meets it | chapters that change it |\n|---|---|\n" + "\n".join(rows)
+
+
+PIPELINE = re.compile(r"^<!--\s*pipeline\s*-->[ \t]*$", re.MULTILINE)
+
+
 def expand(markdown: str, here: str) -> str:
     """Replace each ``<!-- course-map -->`` line of a deck with the map slide's content."""
+    markdown = PIPELINE.sub(lambda _: pipeline_table(), markdown)
     return DIRECTIVE.sub(lambda _: course_map(here), markdown)

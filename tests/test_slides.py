@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -364,3 +365,18 @@ def test_course_map_highlights_its_chapter_and_what_it_changes():
         cmap.course_map("42")
     for nn, (_, stations) in cmap.CHAPTERS.items():
         assert set(stations) <= set(cmap.PATH), nn
+
+
+def test_the_pipeline_places_every_chapter_and_chapter_00_shows_the_maps_own_table():
+    cmap = load_course_map()
+    table = cmap.pipeline_table()
+    stations = [row.split("|")[1].strip() for row in table.splitlines()[2:]]
+    assert stations[:len(cmap.PATH)] == cmap.PATH and "KV transfer" in stations and "router" in stations
+    for nn in [nn for nn in cmap.CHAPTERS if nn != "10"]:
+        assert f"{nn} {cmap.CHAPTERS[nn][0]}" in table, f"chapter {nn} is not on the pipeline"
+    assert "<!-- pipeline -->" not in cmap.expand("# deck\n\n<!-- pipeline -->\n", "10")
+    chapter00 = json.loads((REPO / "notebooks" / "00_from_model_to_api.ipynb").read_text())
+    prose = "\n".join("".join(c["source"]) for c in chapter00["cells"] if c["cell_type"] == "markdown")
+    assert table in prose, "chapter 00's road map differs from slides/course_map.py's pipeline_table()"
+    wastes = [waste for waste, _, _ in cmap.WASTES]
+    assert "prefill/decode interference" in wastes, "interference is its own waste, not folded into 'idle'"
