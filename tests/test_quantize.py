@@ -198,7 +198,11 @@ def test_task_set_is_well_formed():
 
     tasks = load_tasks()
     items = tasks["tasks"]
-    assert 40 <= len(items) <= 60
+    assert 50 <= len(items) <= 80
+    groups = tasks["groups"]
+    assert sorted(c for cs in groups.values() for c in cs) == sorted({t["category"] for t in items})  # each once
+    assert set(groups) == {"facts", "arithmetic", "code"}
+    assert all(sum(t["category"] in cs for t in items) >= 10 for cs in groups.values())  # n worth a share
     assert len({t["prompt"] for t in items}) == len(items)
     assert isinstance(tasks["max_tokens"], int) and 1 <= tasks["max_tokens"] <= 16
     assert len(text(tasks["perplexity_text"])) > 1000
@@ -208,6 +212,26 @@ def test_task_set_is_well_formed():
     assert first_word(" Paris.\n\nThe") == "paris" and first_word(" 24 hours") == "24"
     assert first_word("Twenty-four!") == "twenty-four" and first_word(" ...") == ""
     assert json.loads(json.dumps(tasks)) == tasks
+
+
+def test_a_short_run_asks_every_kind_and_saved_rows_are_recounted_by_kind():
+    from labsupport.bench.quant import format_categories, group_counts, load_tasks, select_tasks
+
+    tasks = load_tasks()
+    short = select_tasks(tasks, 6)
+    assert len(short) == 6 == len(set(short)) and short == sorted(short)
+    kinds = {g for g, cs in tasks["groups"].items() if any(tasks["tasks"][i]["category"] in cs for i in short)}
+    assert kinds == set(tasks["groups"]), "a short run must still ask facts, arithmetic and code"
+    assert select_tasks(tasks) == list(range(len(tasks["tasks"])))
+    # a saved row of an older run: answers only, lined up with the first tasks of the file
+    first = tasks["tasks"][:3]  # capitals
+    row = {"answers": [first[0]["answers"][0], "wrong", first[2]["answers"][0]]}
+    assert group_counts(row, tasks) == {"facts": (2, 3)}
+    # a row of this run: counts per category, wherever its tasks came from
+    row = {"by_category_counts": {"capital": [1, 2], "arithmetic": [0, 1], "code": [3, 4]}, "answers": []}
+    assert group_counts(row, tasks) == {"facts": (1, 2), "arithmetic": (0, 1), "code": (3, 4)}
+    table = format_categories({"methods": {"fp32": row}})
+    assert "code (n=4)" in table and "3/4" in table
 
 
 def test_bench_run_reports_every_method():
@@ -224,6 +248,7 @@ def test_bench_run_reports_every_method():
         assert {"bytes_read_per_step", "bytes_held", "decode_tok_s", "accuracy", "by_category", "answers",
                 "perplexity", "memory_ratio", "speedup", "quantization"} <= set(row)
         assert row["total"] == 4 and row["decode_tok_s"] > 0 and 1 < row["perplexity"] < 1e4
+        assert sum(n for _, n in row["by_category_counts"].values()) == 4 and len(row["task_ids"]) == 4
     assert fp32["memory_ratio"] == 1 and fp32["quantization"] is None
     assert int4["memory_ratio"] < 0.2 and int4["quantization"]["method"] == "int4"
     assert re.search(r"int4 .* 0\.1\d", format_table(report))

@@ -101,9 +101,32 @@ def decode_speed(llm, tokens: int, batch: int = 1) -> float:
     return sum(len(o.token_ids) - 1 for o in outs) / max(end - start, 1e-9)
 
 
+def select_tasks(tasks: dict, limit: int | None = None) -> list[int]:
+    """Indices of the tasks a run asks: all of them in file order, or ``limit`` taken in turn from each group
+    (facts, arithmetic, code) and within a group in turn from each category, so that a short run still asks
+    every kind of question."""
+    items = tasks["tasks"]
+    if limit is None or limit >= len(items):
+        return list(range(len(items)))
+
+    def in_turn(queues):
+        order, turn = [], 0
+        while any(turn < len(q) for q in queues):
+            order += [q[turn] for q in queues if turn < len(q)]
+            turn += 1
+        return order
+
+    by_category = {}
+    for i, t in enumerate(items):
+        by_category.setdefault(t["category"], []).append(i)
+    groups = [in_turn([by_category[c] for c in cs if c in by_category]) for cs in tasks["groups"].values()]
+    return sorted(in_turn(groups)[:limit])
+
+
 def task_accuracy(llm, tasks: dict, limit: int | None = None) -> dict:
     """Exact-match accuracy, overall and per category, and the answers given (greedy, one batch)."""
-    items = tasks["tasks"][:limit]
+    ids = select_tasks(tasks, limit)
+    items = [tasks["tasks"][i] for i in ids]
     params = SamplingParams(temperature=0, max_tokens=tasks["max_tokens"])
     outs = llm.generate([t["prompt"] for t in items], params, use_tqdm=False)
     given = [first_word(o.text) for o in outs]
@@ -112,7 +135,46 @@ def task_accuracy(llm, tasks: dict, limit: int | None = None) -> dict:
     for t, ok in zip(items, right):
         by_category.setdefault(t["category"], []).append(ok)
     return {"accuracy": sum(right) / len(right), "correct": sum(right), "total": len(right),
-            "by_category": {c: sum(v) / len(v) for c, v in by_category.items()}, "answers": given}
+            "by_category": {c: sum(v) / len(v) for c, v in by_category.items()},
+            "by_category_counts": {c: [sum(v), len(v)] for c, v in by_category.items()},
+            "task_ids": ids, "answers": given}
+
+
+def group_counts(row: dict, tasks: dict | None = None) -> dict[str, tuple[int, int]]:
+    """(correct, asked) per group of categories (``quant_tasks.json``'s "groups": facts, arithmetic, code).
+    A saved row without counts (runs before 2026-12-05) is recounted from its answers, which line up with
+    the first tasks of the file."""
+    tasks = tasks or load_tasks()
+    counts = row.get("by_category_counts")
+    if counts is None:
+        ids = row.get("task_ids") or range(len(row["answers"]))
+        counts = {}
+        for i, given in zip(ids, row["answers"]):
+            t = tasks["tasks"][i]
+            c = counts.setdefault(t["category"], [0, 0])
+            c[0] += given in t["answers"]
+            c[1] += 1
+    out = {}
+    for group, categories in tasks["groups"].items():
+        right = sum(counts[c][0] for c in categories if c in counts)
+        asked = sum(counts[c][1] for c in categories if c in counts)
+        if asked:
+            out[group] = (right, asked)
+    return out
+
+
+def format_categories(report: dict) -> str:
+    """Correct answers per group of questions and method, with how many were asked (n)."""
+    tasks = load_tasks()
+    rows = {spec: group_counts(r, tasks) for spec, r in report["methods"].items()}
+    groups = [g for g in tasks["groups"] if any(g in r for r in rows.values())]
+    head = f"{'method':<14}" + "".join(f"{g + ' (n=' + str(next(r[g][1] for r in rows.values() if g in r)) + ')':>20}"
+                                       for g in groups)
+    lines = [head, "-" * len(head)]
+    for spec, r in rows.items():
+        lines.append(f"{spec:<14}" + "".join(
+            f"{f'{r[g][0]}/{r[g][1]} {r[g][0] / r[g][1]:4.0%}':>20}" if g in r else f"{'-':>20}" for g in groups))
+    return "\n".join(lines)
 
 
 def perplexity(llm, tokens: int) -> float:
@@ -216,6 +278,18 @@ def reading(report: dict) -> str:
         lines.append("* Speed did not follow the bytes: " + ", ".join(
             f"{k} read {1 / others[k]['memory_ratio']:.1f}x fewer bytes and ran {others[k]['speedup']:.2f}x"
             for k in lagging) + " — a step's time here is not its weight bytes alone.")
+    tasks = load_tasks()
+    counts = {k: group_counts(r, tasks) for k, r in rows.items()}
+    kinds = []
+    for group, (right, asked) in counts[first].items():
+        share = right / asked
+        sd = math.sqrt(asked * share * (1 - share))  # binomial: how many answers a rerun may move by chance
+        changes = ", ".join(f"{k} {counts[k][group][0]} ({counts[k][group][0] - right:+d})"
+                            for k in others if group in counts[k])
+        kinds.append(f"{group} (n = {asked}): {first} {right}, {changes}; one sd of chance ±{sd:.1f}")
+    if kinds:
+        lines.append("* **By kind of question**: " + "; ".join(kinds)
+                     + ". A change smaller than two sd is not a difference between the methods.")
     lines.append(f"* **Tasks** ({base['total']} questions, greedy): {first} {base['correct']}; "
                  + ", ".join(f"{k} {r['correct']} ({r['correct'] - base['correct']:+d})" for k, r in others.items())
                  + f". **Perplexity**: {first} {base['perplexity']:.2f}; "
@@ -240,18 +314,36 @@ def plot_quant(report: dict):
     names = list(rows)
     panels = [("weights read per decode step (MB)", [r["bytes_read_per_step"] / 2**20 for r in rows.values()]),
               ("decode tokens/s", [r["decode_tok_s"] for r in rows.values()]),
-              ("task accuracy (%)", [100 * r["accuracy"] for r in rows.values()]),
+              ("accuracy by kind of question (%)", None),
               ("perplexity (lower is better)", [r["perplexity"] for r in rows.values()])]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
     for ax, (title, values) in zip(axes, panels):
-        bars = ax.bar(names, values, color=[f"C{i}" for i in range(len(names))])
-        ax.bar_label(bars, fmt="%.1f", fontsize=8)
+        if values is None:
+            _accuracy_by_kind(ax, report)
+        else:
+            bars = ax.bar(names, values, color=[f"C{i}" for i in range(len(names))])
+            ax.bar_label(bars, fmt="%.1f", fontsize=8)
+            ax.tick_params(axis="x", labelrotation=30, labelsize=8)
         ax.margins(y=0.15)
         ax.set_title(title, fontsize=10)
-        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
-    fig.suptitle("Weight quantization: memory, speed and quality on one machine")
+    fig.suptitle(f"Weight quantization: memory, speed and quality; {label(report)}")
     fig.tight_layout()
     return fig
+
+
+def _accuracy_by_kind(ax, report: dict):
+    """Grouped bars: one group per kind of question (n in its label), one bar per method."""
+    tasks = load_tasks()
+    counts = {spec: group_counts(r, tasks) for spec, r in report["methods"].items()}
+    groups = [g for g in tasks["groups"] if any(g in c for c in counts.values())]
+    width = 0.8 / max(len(counts), 1)
+    for i, (spec, c) in enumerate(counts.items()):
+        xs = [j + (i - (len(counts) - 1) / 2) * width for j in range(len(groups))]
+        ax.bar(xs, [100 * c[g][0] / c[g][1] if g in c else 0 for g in groups], width, label=spec, color=f"C{i}")
+    n = {g: next(c[g][1] for c in counts.values() if g in c) for g in groups}
+    ax.set_xticks(range(len(groups)), [f"{g}\n(n={n[g]})" for g in groups], fontsize=8)
+    ax.set_ylim(0, 110)
+    ax.legend(fontsize=7, ncol=2)
 
 
 def add_arguments(parser: argparse.ArgumentParser):
