@@ -91,3 +91,25 @@ def test_ttft_parts_add_up_to_the_clients_ttft_and_match_requests_by_arrival_and
 def test_ttft_parts_refuses_timelines_that_do_not_hold_the_run():
     with pytest.raises(ValueError, match="pulls"):
         pdx.ttft_parts(result([request(60, 0.0, 1.0)] * 3), timelines(), clock_offset=100.0)
+
+
+@pytest.mark.parametrize("blocks,seqs,parts", [(225, 16, 3), (10, 3, 3), (7, 7, 1)])
+def test_share_budget_cuts_the_whole_budget_and_gives_larger_shares_last(blocks, seqs, parts):
+    shares = pdx.share_budget(blocks, seqs, parts)
+    for name, total in (("--num-blocks", blocks), ("--max-num-seqs", seqs)):
+        got = [flag(s, name) for s in shares]
+        assert sum(got) == total and got == sorted(got) and got[-1] - got[0] <= 1
+
+
+def test_xpyd_puts_each_worker_on_its_cpus_behind_one_router_on_one_budget():
+    d = pdx.xpyd(["0", "1"], ["1"], num_blocks=225, max_num_seqs=16)
+    workers, router = d.processes[:-1], d.processes[-1]
+    assert d.name == "2P1D" and d.entry is router
+    assert [(w.role, w.cpus) for w in workers] == [("prefill", "0"), ("prefill", "1"), ("decode", "1")]
+    assert router.prefill == workers[:2] and router.decode == workers[2:]
+    # the last --num-blocks / --max-num-seqs on a command line wins: they must add up to the budget
+    def last(w, name):
+        return int(w.args[len(w.args) - 1 - w.args[::-1].index(name) + 1])
+    assert sum(last(w, "--num-blocks") for w in workers) == 225
+    assert sum(last(w, "--max-num-seqs") for w in workers) == 16
+    assert set(d.engines) == {"prefill 1", "prefill 2", "decode 1"}

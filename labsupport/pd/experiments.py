@@ -60,6 +60,18 @@ def pool_blocks(token_counts, slack: float = 1.25, block_size: int = BLOCK_SIZE)
     return max(16, int(blocks * slack))
 
 
+def share_budget(num_blocks: int, max_num_seqs: int, parts: int) -> list[list[str]]:
+    """``serve`` flags for one KV and slot budget cut into ``parts`` shares, as even as integers allow, the
+    larger shares last (the decode workers', who keep a request's KV for its whole answer)."""
+    if parts < 1 or num_blocks < parts or max_num_seqs < parts:
+        raise ValueError(f"{num_blocks} blocks and {max_num_seqs} sequences do not split into {parts} shares")
+
+    def cut(total):
+        base, extra = divmod(total, parts)
+        return [base + (k >= parts - extra) for k in range(parts)]
+    return [["--num-blocks", str(b), "--max-num-seqs", str(q)] for b, q in zip(cut(num_blocks), cut(max_num_seqs))]
+
+
 def split_budget(num_blocks: int, max_num_seqs: int) -> tuple[list[str], list[str], list[str]]:
     """``serve`` flags for one budget spent two ways: ``(colocated, prefill, decode)``.
 
@@ -69,10 +81,8 @@ def split_budget(num_blocks: int, max_num_seqs: int) -> tuple[list[str], list[st
     slots, and any win could be that. Each half must still hold the longest prompt: the caller sizes it."""
     if num_blocks < 2 or max_num_seqs < 2:
         raise ValueError(f"a budget to split needs at least 2 blocks and 2 sequences, got {num_blocks}, {max_num_seqs}")
-    def flags(blocks, seqs):
-        return ["--num-blocks", str(blocks), "--max-num-seqs", str(seqs)]
-    return (flags(num_blocks, max_num_seqs), flags(num_blocks // 2, max_num_seqs // 2),
-            flags(num_blocks - num_blocks // 2, max_num_seqs - max_num_seqs // 2))
+    prefill, decode = share_budget(num_blocks, max_num_seqs, 2)
+    return ["--num-blocks", str(num_blocks), "--max-num-seqs", str(max_num_seqs)], prefill, decode
 
 
 @dataclass
@@ -103,6 +113,20 @@ def disaggregated(name: str = "1P+1D", prefill_cpus: str = "0", decode_cpus: str
     d = Worker("decode", decode_cpus, model=model, args=[*WORKER_ARGS, *args, *decode_args], name="decode")
     r = Router(prefill=[p], decode=[d])
     return Deployment(name, [p, d, r], r, {"prefill": p.url, "decode": d.url})
+
+
+def xpyd(prefill_cpus: list[str], decode_cpus: list[str], num_blocks: int, max_num_seqs: int, args=(),
+         model=None, name: str | None = None) -> Deployment:
+    """x prefill and y decode workers (one per entry of ``prefill_cpus``/``decode_cpus``, pinned there) behind
+    one PD router, sharing one budget (``share_budget``): the prefill round robin, the decode least loaded.
+    Named "xPyD" (2P1D: two prefill workers, one decode) unless ``name`` says otherwise."""
+    shares = share_budget(num_blocks, max_num_seqs, len(prefill_cpus) + len(decode_cpus))
+    pre = [Worker("prefill", c, model=model, args=[*WORKER_ARGS, *args, *shares[k]], name=f"prefill {k + 1}")
+           for k, c in enumerate(prefill_cpus)]
+    dec = [Worker("decode", c, model=model, args=[*WORKER_ARGS, *args, *shares[len(pre) + k]], name=f"decode {k + 1}")
+           for k, c in enumerate(decode_cpus)]
+    r = Router(prefill=pre, decode=dec)
+    return Deployment(name or f"{len(pre)}P{len(dec)}D", [*pre, *dec, r], r, {w.name: w.url for w in pre + dec})
 
 
 def start(deployments: list[Deployment], timeout: float = 240.0) -> list[Deployment]:
