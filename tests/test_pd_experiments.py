@@ -86,6 +86,14 @@ def test_ttft_parts_add_up_to_the_clients_ttft_and_match_requests_by_arrival_and
         assert parts == pytest.approx(r["ttft"])
     assert long_["decode_busy"] == pytest.approx(0.5)  # 100.95-101.0 of the pull 100.93-101.03
     assert long_["prefill_busy"] == pytest.approx(0.7)  # prefill steps until 101.0
+    assert long_["pull_ok"] and short["pull_ok"]
+
+
+def test_ttft_parts_keeps_a_request_whose_pull_failed_and_says_so():
+    tl = timelines()
+    tl["decode"]["transfers"][1]["ok"] = False  # the short one's lease ran out: the decode worker recomputed
+    rows = pdx.ttft_parts(result([request(60, 0.05, 1.10), request(500, 0.0, 1.15)]), tl, clock_offset=100.0)
+    assert [r["pull_ok"] for r in rows] == [True, False]
 
 
 def test_ttft_parts_refuses_timelines_that_do_not_hold_the_run():

@@ -249,7 +249,8 @@ def ttft_parts(result: BenchResult, timelines: dict, prefill: str = "prefill", d
     * ``hand_off``: prefill done until the decode worker starts the pull (the answer back to the router,
       the router's second leg, and the decode worker's scheduler taking it up at its next step);
     * ``transfer``: the pull itself, with ``decode_busy``/``prefill_busy``: the share of it during which each
-      worker's engine was computing a step on the core the pull's threads share;
+      worker's engine was computing a step on the core the pull's threads share (``pull_ok`` False: the pull
+      failed, a lease ran out, and the decode worker recomputed the prompt within ``first_token``);
     * ``first_token``: pull done until the client read the first token (the decode worker's current step
       ends, then a step recomputes the prompt's last token, and the token streams back).
 
@@ -265,7 +266,7 @@ def ttft_parts(result: BenchResult, timelines: dict, prefill: str = "prefill", d
         for rid, n in s["prefill"].items():  # the connector names a transfer "<engine id>-<request id>"
             span = spans.setdefault(f"{engine_id}-{rid}", [s["start"], s["end"], 0])
             span[0], span[1], span[2] = min(span[0], s["start"]), max(span[1], s["end"]), span[2] + n
-    pulls = {t["transfer_id"]: t for t in timelines[decode].get("transfers") or [] if t["role"] == "recv" and t["ok"]}
+    pulls = {t["transfer_id"]: t for t in timelines[decode].get("transfers") or [] if t["role"] == "recv"}
     waiting = sorted((spans[tid][0], tid) for tid in pulls if tid in spans)
     done = sorted((r for r in result.requests if r.success), key=lambda r: r.start_time)
     if len(waiting) != len(done):
@@ -283,6 +284,7 @@ def ttft_parts(result: BenchResult, timelines: dict, prefill: str = "prefill", d
         rows.append({"prompt_tokens": r.prompt_len, "ttft": 1e3 * r.ttft, "queue": 1e3 * (p0 - sent),
                      "prefill": 1e3 * (p1 - p0), "hand_off": 1e3 * (pull["start"] - p1),
                      "transfer": 1e3 * took, "first_token": 1e3 * (first - pull["end"]), "bytes": pull["num_bytes"],
+                     "pull_ok": pull["ok"],
                      "decode_busy": busy_during(dec_steps, pull["start"], pull["end"]) / took,
                      "prefill_busy": busy_during(pre_steps, pull["start"], pull["end"]) / took})
     return rows
