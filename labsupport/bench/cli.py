@@ -37,13 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     from . import serve_cli  # its own --model: the served name, not a folder
     serve_cli.add_arguments(sub.add_parser("serve", help="load-test any OpenAI-compatible server over HTTP "
                                                          "(ours or vllm serve), like vllm bench serve"))
-    from . import course_table
+    from ..experiments import course_table  # the CLI is the one bench module that reaches up: it names them all
     course_table.add_arguments(sub.add_parser("course-table", help="every chapter's server on one workload, one "
                                                                     "client, one price: what each chapter bought"))
     from . import spec_bench
     spec_bench.add_arguments(sub.add_parser("spec", help="speculative decoding: acceptance and speed-up against k, "
                                                          "temperature, traffic and batch size"))
-    from . import capstone
+    from ..experiments import capstone
     capstone.add_arguments(sub.add_parser("capstone", help="the course engine with every technique, each one off, "
                                                            "transformers serve and vLLM on five traffics: a decision"))
     from . import serve_compare
@@ -67,10 +67,10 @@ def main(argv: list[str]) -> int:
     from .roofline import warn_if_busy
     try:
         if args.subcommand == "course-table":  # records the busy check in its JSON
-            from .course_table import main as table_main
+            from ..experiments.course_table import main as table_main
             return table_main(args)
         if args.subcommand == "capstone":  # records the busy check (at its start) in its JSON
-            from .capstone import main as capstone_main
+            from ..experiments.capstone import main as capstone_main
             return capstone_main(args)
         if args.subcommand == "serve-profile":
             warn_if_busy()

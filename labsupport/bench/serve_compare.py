@@ -66,7 +66,7 @@ def guidellm_bin() -> Path:
 def start_server(engine: str, folder: str):
     """The server as a user starts it: its defaults, our context length, the served name ``smol``."""
     if engine == "vllm":
-        from ..side_by_side.servers import VllmServer
+        from ..servers import VllmServer
         return VllmServer(folder, max_model_len=MAX_MODEL_LEN).start()
     from ..pd.cluster import Worker
     args = ["--served-model-name", "smol", "--max-model-len", str(MAX_MODEL_LEN)]
@@ -77,8 +77,8 @@ def start_server(engine: str, folder: str):
 
 def run_vllm_bench(url: str, load: VllmBenchLoad, folder: str, timeout_s: float = 900) -> dict:
     """``vllm bench serve`` (openai-chat backend, as users point it at a chat server): its saved JSON."""
-    from ..side_by_side.bench import client_env
-    from ..side_by_side.servers import vllm_bin
+    from ..servers import client_env
+    from ..servers import vllm_bin
     rate = "inf" if math.isinf(load.request_rate) else str(load.request_rate)
     with tempfile.TemporaryDirectory(prefix="labsupport-serve-compare-") as work:
         cmd = [str(vllm_bin("vllm")), "bench", "serve", "--backend", "openai-chat", "--endpoint",

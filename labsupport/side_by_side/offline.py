@@ -25,7 +25,7 @@ from pathlib import Path
 from .. import procs
 from ..bench.vllm_runner import WORKER, cpu_env, default_python
 from ..pd.cluster import _cpu_list
-from .servers import vllm_status
+from ..servers import vllm_status
 
 
 def greedy_tokens(folder, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = True, cpus: str | None = None,

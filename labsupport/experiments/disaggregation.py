@@ -1,6 +1,6 @@
 """Chapter 07's measurements: colocated vs chunked prefill vs 1P+1D, with chapter 06's load generator.
 
-Every number comes from real processes (``cluster.py``) driven over HTTP by ``bench serve``'s
+Every number comes from real processes (``pd/cluster.py``) driven over HTTP by ``bench serve``'s
 client, so each experiment is also a command line::
 
     python -m labsupport serve --port 8001 --role prefill --cpu-affinity 0 &
@@ -30,7 +30,7 @@ import httpx
 
 from ..bench.serve_bench import COMPLETIONS, BenchResult, benchmark
 from ..bench.metrics import percentile
-from .cluster import Router, Worker, start_all, stop_all
+from ..pd.cluster import Router, Worker, start_all, stop_all
 
 WORKER_ARGS = ["--num-blocks", "512", "--max-num-batched-tokens", "2048",  # ~0.4 GB of KV: give pool_args instead
                "--no-enable-chunked-prefill",  # serve chunks by default: the colocated baseline does not

@@ -1,6 +1,6 @@
 """The capstone's tables and plot: every server on every traffic, and the decision read from them.
 
-``labsupport.bench.capstone`` measures (``python -m labsupport bench capstone``) and saves the run as
+``labsupport.experiments.capstone`` measures (``python -m labsupport bench capstone``) and saves the run as
 package data; this module only reads a run and shows it, so a notebook can show the saved table in a
 second and a rerun the same way.
 """

@@ -19,7 +19,7 @@ A tail is called P99 only with ``MIN_P99_SAMPLES`` samples; below that it is the
 
     python -m labsupport bench course-table --json labsupport/data/course_table_cpu.json --plot t.png
 
-A notebook shows the saved table up to its own chapter with ``labsupport.viz.course_table``
+A notebook shows the saved table up to its own chapter with ``labsupport.viz.course_table_plot``
 (``show_course_table("04")``, ``plot_course_table("04")``).
 """
 from __future__ import annotations
@@ -33,9 +33,9 @@ from dataclasses import asdict, dataclass, field, replace
 import httpx
 import numpy as np
 
-from .metrics import MIN_P99_SAMPLES, percentile, tail
-from .serve_bench import benchmark
-from .serve_datasets import SampleRequest
+from ..bench.metrics import MIN_P99_SAMPLES, percentile, tail
+from ..bench.serve_bench import benchmark
+from ..bench.serve_datasets import SampleRequest
 
 ROW_IDS = ("00", "01", "02", "03", "04", "05", "06", "07", "08")
 
@@ -152,7 +152,7 @@ def workload(tokenizer, s: Sizes, seed: int) -> list[SampleRequest]:
 def start(row: Row, s: Sizes, folder: str):
     """Start the row's processes; return (processes, URL the client uses, URL whose /metrics count)."""
     from ..pd.cluster import Router, Worker, start_all
-    from ..side_by_side.servers import VllmServer
+    from ..servers import VllmServer
     if row.kind == "vllm":
         procs = [VllmServer(folder, args=server_args(row, s), max_model_len=s.max_model_len)]
         return start_all(procs, 300), procs[0].url, procs[0].url
@@ -188,7 +188,7 @@ def _cpu_seconds(procs) -> tuple[float, float]:
 
 
 def _metrics(url: str) -> dict | None:
-    from .serve_metrics import parse_metrics
+    from ..bench.serve_metrics import parse_metrics
     try:
         resp = httpx.get(url + "/metrics", timeout=10)
     except httpx.HTTPError:
@@ -206,7 +206,7 @@ def load_run(url: str, metrics_url: str, model: str, requests, rate: float, burs
              usd_per_hour: float, seed: int, ignore_eos: bool = True) -> dict:
     """One ``bench serve`` run, cut down to what the table shows (tails by the 100-sample rule).
     ``s`` needs only ``ttft_ms`` and ``tpot_ms`` (the SLO)."""
-    from .serve_metrics import server_metrics_delta
+    from ..bench.serve_metrics import server_metrics_delta
     before = _metrics(metrics_url)
     r = benchmark(url, model, requests, rate=rate, burstiness=burstiness, seed=seed, progress=False,
                   slo={"ttft": s.ttft_ms, "tpot": s.tpot_ms}, usd_per_hour=usd_per_hour, test_request=False,
@@ -230,8 +230,8 @@ def load_run(url: str, metrics_url: str, model: str, requests, rate: float, burs
 def measure_row(row: Row, s: Sizes, loads: dict, usd_per_hour: float, folder: str) -> dict:
     """Start the row, run each load through it (capacity first), stop it."""
     from ..pd.cluster import stop_all
-    from .serve_cli import first_model
-    from .roofline import other_runnable
+    from ..bench.serve_cli import first_model
+    from ..bench.roofline import other_runnable
     t0, out = time.perf_counter(), {"chapter": row.chapter, "name": row.name, "kind": row.kind, "note": row.note,
                                     "config": row.engine or {"server": "vllm serve"}, "args": server_args(row, s),
                                     "other_runnable_threads": other_runnable()}  # > 0.5: a neighbour shared the cores
@@ -252,7 +252,7 @@ def measure_row(row: Row, s: Sizes, loads: dict, usd_per_hour: float, folder: st
     finally:
         stop_all(procs)
     out["seconds"] = time.perf_counter() - t0
-    from ..viz.course_table import format_rows
+    from ..viz.course_table_plot import format_rows
     print(format_rows([out]), flush=True)
     return out
 
@@ -260,10 +260,10 @@ def measure_row(row: Row, s: Sizes, loads: dict, usd_per_hour: float, folder: st
 def run(sizes: Sizes = Sizes(), which=ROW_IDS, usd_per_hour: float = 0.10, arrivals: str = "gamma") -> dict:
     """Measure the chosen rows one after the other; the whole table as a JSON-able dict."""
     from ..models.loader import resolve_model_path
-    from ..side_by_side.servers import vllm_status
-    from .compare import machine
-    from .roofline import model_facts, other_runnable
-    from .serve_datasets import load_tokenizer
+    from ..servers import vllm_status
+    from ..bench.compare import machine
+    from ..bench.roofline import model_facts, other_runnable
+    from ..bench.serve_datasets import load_tokenizer
     folder = str(resolve_model_path(None))
     s = replace(sizes, kv_bytes_per_token=model_facts(folder)["kv_bytes_per_token"])
     tok = load_tokenizer(None)
@@ -318,12 +318,12 @@ def main(args) -> int:
     unknown = set(which) - set(ROW_IDS)
     if unknown:
         raise ValueError(f"unknown rows {sorted(unknown)}: choose from {','.join(ROW_IDS)}")
-    from ..viz.course_table import format_rows, plot_course_table
+    from ..viz.course_table_plot import format_rows, plot_course_table
 
     t = run(sizes, which, args.usd_per_hour, args.arrivals)
     print(format_rows(t["rows"]))
     print(f"{len(t['rows'])} rows in {t['seconds']:.0f} s")
-    from .metrics import save_run
+    from ..bench.metrics import save_run
     save_run(t, args.json, args.plot, lambda run_: plot_course_table(max(which), path=run_))
     failed = [r["chapter"] for r in t["rows"] if any(r.get(k, {}).get("completed", 0) < r.get(k, {}).get("requests", 0)
                                                      for k in ("capacity", "bursty", "poisson"))]

@@ -1,6 +1,6 @@
 """The course table ("what each chapter bought") as the notebooks and decks show it.
 
-``labsupport.bench.course_table`` measures it (``python -m labsupport bench course-table``) and saves it
+``labsupport.experiments.course_table`` measures it (``python -m labsupport bench course-table``) and saves it
 as package data; this module only reads that run and draws it: a table of rows 00 .. the chapter (later
 chapters left out, this chapter's row highlighted) with a caption saying when, where and at what price
 it was measured, and a plot of cost per million output tokens beside goodput under bursty load.

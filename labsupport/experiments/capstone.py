@@ -37,7 +37,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
-from .compare import DRIFT
+from ..bench.compare import DRIFT
 
 TECHNIQUES = {  # name -> the serve flags that turn it OFF (from ``all``)
     "continuous batching": ("scheduling_policy", "static"),
@@ -146,7 +146,7 @@ def server_args(col: dict, s: Sizes, kv_bytes_per_token: int) -> list[str]:
 
 
 def requests_of(t: Traffic, tokenizer, seed: int = 0):
-    from .serve_datasets import SampleRequest, sample_requests
+    from ..bench.serve_datasets import SampleRequest, sample_requests
     if t.dataset == "reasoning":
         texts = [REASONING[i % len(REASONING)] for i in range(t.num_requests)]
         return [SampleRequest(x, len(tokenizer.encode(x, add_special_tokens=False)), t.output_len) for x in texts]
@@ -157,7 +157,7 @@ def requests_of(t: Traffic, tokenizer, seed: int = 0):
 def start(col: dict, s: Sizes, folder: str, kv_bytes_per_token: int):
     """Start a column's server; return (process, base URL, the model name requests carry)."""
     from ..pd.cluster import Worker, start_all
-    from ..side_by_side.servers import TransformersServer, VllmServer
+    from ..servers import TransformersServer, VllmServer
     args = server_args(col, s, kv_bytes_per_token)
     if col["kind"] == "vllm":
         w = VllmServer(folder, args=args, max_model_len=s.max_model_len, kv_space_gib=1)
@@ -262,10 +262,10 @@ def run(sizes: Sizes = Sizes(), scale: float = 1.0, which: tuple | None = None, 
     from tqdm.auto import tqdm
 
     from ..models.loader import resolve_model_path
-    from ..side_by_side.servers import vllm_status
-    from .compare import machine
-    from .roofline import model_facts, other_runnable
-    from .serve_datasets import load_tokenizer
+    from ..servers import vllm_status
+    from ..bench.compare import machine
+    from ..bench.roofline import model_facts, other_runnable
+    from ..bench.serve_datasets import load_tokenizer
     folder = str(resolve_model_path(None))
     kv_per_token = model_facts(folder)["kv_bytes_per_token"]
     tok = load_tokenizer(None)
@@ -320,7 +320,7 @@ def add_arguments(p: argparse.ArgumentParser):
 
 
 def main(args) -> int:
-    from ..viz.capstone import format_decision, format_full, plot_capstone
+    from ..viz.capstone_plot import format_decision, format_full, plot_capstone
     which = tuple(args.columns.split(",")) if args.columns else None
     scale = args.scale
     if args.quick:
@@ -333,7 +333,7 @@ def main(args) -> int:
     print()
     print(format_decision(r))
     print(f"{len(r['columns'])} servers x {len(r['traffics'])} traffics in {r['seconds']:.0f} s")
-    from .metrics import save_run
+    from ..bench.metrics import save_run
     save_run(r, args.json, args.plot, plot_capstone)
     failed = [c["name"] for c in r["columns"] for x in c.get("traffic", {}).values() if x["completed"] < x["requests"]]
     return 1 if failed else 0

@@ -37,7 +37,7 @@ from ..bench.serve_bench import COMPLETIONS, payload, send_request
 from ..bench.serve_datasets import SampleRequest, load_tokenizer, sample_requests
 from ..pd.cluster import Worker, start_all
 from ..serve.metrics import parse_metrics
-from .servers import VllmServer, on_gpu
+from ..servers import VllmServer, on_gpu
 
 # our serve flag, vllm serve's, what it sets, the chapter that built it, how the two differ
 KNOBS = [dict(zip(("ours", "vllm", "controls", "chapter", "note"), k)) for k in [

