@@ -2,7 +2,7 @@
 
 vLLM pins its own torch and transformers, so it lives in its own virtual environment
 (``.venv-vllm``, made by ``make vllm``); the lab talks to it only over HTTP, as any client would.
-The CPU settings are the measured ones (``bench/vllm_runner.py``): fp32, eager, OpenMP bound to
+The CPU settings are the measured ones (``bench/offline/vllm_runner.py``): fp32, eager, OpenMP bound to
 the worker's cores with none reserved, a small KV space. ``VllmServer`` is a ``pd.cluster.Worker``,
 so ``start_all``/``stop_all``, ``kill`` and ``restart`` work on vLLM and on our servers alike.
 """
@@ -15,7 +15,7 @@ import signal
 import time
 from pathlib import Path
 
-from .bench.vllm_runner import default_python
+from .bench.offline.vllm_runner import default_python
 from .pd.cluster import Worker, _cpu_list
 
 HOW_TO_INSTALL = ("vLLM is not installed for this lab: run `make vllm` in the repository (it makes .venv-vllm with "

@@ -6,8 +6,8 @@ import httpx
 import pytest
 
 from labsupport.experiments import capstone
-from labsupport.bench.serve_bench import benchmark, payload
-from labsupport.bench.serve_datasets import SampleRequest
+from labsupport.bench.serving.serve_bench import benchmark, payload
+from labsupport.bench.serving.serve_datasets import SampleRequest
 from labsupport.viz.capstone_plot import format_decision, format_full, plot_capstone, reading
 
 

@@ -37,7 +37,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
-from ..bench.compare import DRIFT
+from ..bench.offline.compare import DRIFT
 
 TECHNIQUES = {  # name -> the serve flags that turn it OFF (from ``all``)
     "continuous batching": ("scheduling_policy", "static"),
@@ -146,7 +146,7 @@ def server_args(col: dict, s: Sizes, kv_bytes_per_token: int) -> list[str]:
 
 
 def requests_of(t: Traffic, tokenizer, seed: int = 0):
-    from ..bench.serve_datasets import SampleRequest, sample_requests
+    from ..bench.serving.serve_datasets import SampleRequest, sample_requests
     if t.dataset == "reasoning":
         texts = [REASONING[i % len(REASONING)] for i in range(t.num_requests)]
         return [SampleRequest(x, len(tokenizer.encode(x, add_special_tokens=False)), t.output_len) for x in texts]
@@ -263,9 +263,9 @@ def run(sizes: Sizes = Sizes(), scale: float = 1.0, which: tuple | None = None, 
 
     from ..models.loader import resolve_model_path
     from ..servers import vllm_status
-    from ..bench.compare import machine
-    from ..bench.roofline import model_facts, other_runnable
-    from ..bench.serve_datasets import load_tokenizer
+    from ..bench.offline.compare import machine
+    from ..bench.lab.roofline import model_facts, other_runnable
+    from ..bench.serving.serve_datasets import load_tokenizer
     folder = str(resolve_model_path(None))
     kv_per_token = model_facts(folder)["kv_bytes_per_token"]
     tok = load_tokenizer(None)
@@ -333,7 +333,7 @@ def main(args) -> int:
     print()
     print(format_decision(r))
     print(f"{len(r['columns'])} servers x {len(r['traffics'])} traffics in {r['seconds']:.0f} s")
-    from ..bench.metrics import save_run
+    from ..bench.summary import save_run
     save_run(r, args.json, args.plot, plot_capstone)
     failed = [c["name"] for c in r["columns"] for x in c.get("traffic", {}).values() if x["completed"] < x["requests"]]
     return 1 if failed else 0

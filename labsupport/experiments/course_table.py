@@ -33,9 +33,9 @@ from dataclasses import asdict, dataclass, field, replace
 import httpx
 import numpy as np
 
-from ..bench.metrics import MIN_P99_SAMPLES, percentile, tail
-from ..bench.serve_bench import benchmark
-from ..bench.serve_datasets import SampleRequest
+from ..bench.summary import MIN_P99_SAMPLES, percentile, tail
+from ..bench.serving.serve_bench import benchmark
+from ..bench.serving.serve_datasets import SampleRequest
 
 ROW_IDS = ("00", "01", "02", "03", "04", "05", "06", "07", "08")
 
@@ -188,7 +188,7 @@ def _cpu_seconds(procs) -> tuple[float, float]:
 
 
 def _metrics(url: str) -> dict | None:
-    from ..bench.serve_metrics import parse_metrics
+    from ..bench.serving.serve_metrics import parse_metrics
     try:
         resp = httpx.get(url + "/metrics", timeout=10)
     except httpx.HTTPError:
@@ -206,7 +206,7 @@ def load_run(url: str, metrics_url: str, model: str, requests, rate: float, burs
              usd_per_hour: float, seed: int, ignore_eos: bool = True) -> dict:
     """One ``bench serve`` run, cut down to what the table shows (tails by the 100-sample rule).
     ``s`` needs only ``ttft_ms`` and ``tpot_ms`` (the SLO)."""
-    from ..bench.serve_metrics import server_metrics_delta
+    from ..bench.serving.serve_metrics import server_metrics_delta
     before = _metrics(metrics_url)
     r = benchmark(url, model, requests, rate=rate, burstiness=burstiness, seed=seed, progress=False,
                   slo={"ttft": s.ttft_ms, "tpot": s.tpot_ms}, usd_per_hour=usd_per_hour, test_request=False,
@@ -230,8 +230,8 @@ def load_run(url: str, metrics_url: str, model: str, requests, rate: float, burs
 def measure_row(row: Row, s: Sizes, loads: dict, usd_per_hour: float, folder: str) -> dict:
     """Start the row, run each load through it (capacity first), stop it."""
     from ..pd.cluster import stop_all
-    from ..bench.serve_cli import first_model
-    from ..bench.roofline import other_runnable
+    from ..bench.serving.serve_cli import first_model
+    from ..bench.lab.roofline import other_runnable
     t0, out = time.perf_counter(), {"chapter": row.chapter, "name": row.name, "kind": row.kind, "note": row.note,
                                     "config": row.engine or {"server": "vllm serve"}, "args": server_args(row, s),
                                     "other_runnable_threads": other_runnable()}  # > 0.5: a neighbour shared the cores
@@ -261,9 +261,9 @@ def run(sizes: Sizes = Sizes(), which=ROW_IDS, usd_per_hour: float = 0.10, arriv
     """Measure the chosen rows one after the other; the whole table as a JSON-able dict."""
     from ..models.loader import resolve_model_path
     from ..servers import vllm_status
-    from ..bench.compare import machine
-    from ..bench.roofline import model_facts, other_runnable
-    from ..bench.serve_datasets import load_tokenizer
+    from ..bench.offline.compare import machine
+    from ..bench.lab.roofline import model_facts, other_runnable
+    from ..bench.serving.serve_datasets import load_tokenizer
     folder = str(resolve_model_path(None))
     s = replace(sizes, kv_bytes_per_token=model_facts(folder)["kv_bytes_per_token"])
     tok = load_tokenizer(None)
@@ -323,7 +323,7 @@ def main(args) -> int:
     t = run(sizes, which, args.usd_per_hour, args.arrivals)
     print(format_rows(t["rows"]))
     print(f"{len(t['rows'])} rows in {t['seconds']:.0f} s")
-    from ..bench.metrics import save_run
+    from ..bench.summary import save_run
     save_run(t, args.json, args.plot, lambda run_: plot_course_table(max(which), path=run_))
     failed = [r["chapter"] for r in t["rows"] if any(r.get(k, {}).get("completed", 0) < r.get(k, {}).get("requests", 0)
                                                      for k in ("capacity", "bursty", "poisson"))]

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from ..bench.serve_bench import COMPLETIONS, BenchResult, benchmark
-from ..bench.metrics import percentile
+from ..bench.serving.serve_bench import COMPLETIONS, BenchResult, benchmark
+from ..bench.summary import percentile
 from ..pd.cluster import Router, Worker, start_all, stop_all
 
 WORKER_ARGS = ["--num-blocks", "512", "--max-num-batched-tokens", "2048",  # ~0.4 GB of KV: give pool_args instead
@@ -154,7 +154,7 @@ def attainment_sweep(deployments: list[Deployment], loads: list, rates: list[flo
 def transfer_costs(prefill_url: str, decode_url: str, tokenizer, lengths: list[int], seed: int = 0) -> list[dict]:
     """For prompts of each length: hand one off by hand (the router's two legs) and read the decode worker's
     own record of the pull (``/pd/timeline``): bytes, milliseconds, GB/s."""
-    from ..bench.serve_datasets import sample_requests
+    from ..bench.serving.serve_datasets import sample_requests
     rows = []
     for n in lengths:
         req = sample_requests(tokenizer, "random", 1, n, 1, seed=seed + n)[0]

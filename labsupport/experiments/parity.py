@@ -33,8 +33,8 @@ from pathlib import Path
 
 import httpx
 
-from ..bench.serve_bench import COMPLETIONS, payload, send_request
-from ..bench.serve_datasets import SampleRequest, load_tokenizer, sample_requests
+from ..bench.serving.serve_bench import COMPLETIONS, payload, send_request
+from ..bench.serving.serve_datasets import SampleRequest, load_tokenizer, sample_requests
 from ..pd.cluster import Worker, start_all
 from ..serve.metrics import parse_metrics
 from ..servers import VllmServer, on_gpu

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import procs
-from ..bench.serve_bench import COMPLETIONS, benchmark
-from ..bench.serve_datasets import load_tokenizer, sample_requests
+from ..bench.serving.serve_bench import COMPLETIONS, benchmark
+from ..bench.serving.serve_datasets import load_tokenizer, sample_requests
 from ..pd.cluster import stop_all
 from ..experiments.parity import ParitySizes, format_table, start_servers
 from ..servers import VllmServer, client_env, vllm_bin

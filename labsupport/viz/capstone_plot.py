@@ -26,7 +26,7 @@ def _headline(metric: str, v) -> str:
 
 
 def caption(r: dict) -> str:
-    from ..bench.compare import describe_machine
+    from ..bench.offline.compare import describe_machine
     return (f"{r['model']} on {describe_machine(r['machine'])}, {r['date']}; "
             f"${r['usd_per_hour']:.2f}/hour for the machine; each server alone, the same requests over HTTP")
 
@@ -215,7 +215,7 @@ def reading(r: dict) -> str:
 
 def slide_caption(r: dict) -> str:
     """The figure's caption for a deck: the rule, the run's size and where and when it was measured."""
-    from ..bench.compare import describe_machine
+    from ..bench.offline.compare import describe_machine
     servers = sum("traffic" in c for c in r["columns"])
     return (f"Each cell: everything on against everything on but that technique, on the traffic's headline; "
             f"{noise_line(r)}. Right: all against `transformers serve` and `vllm serve`, one run each. "

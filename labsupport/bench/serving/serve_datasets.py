@@ -30,7 +30,7 @@ class SampleRequest:
 
 def load_tokenizer(name_or_folder: str | None = None):
     """The embedded model's tokenizer (None), or that of a Hugging Face folder / hub id."""
-    from ..models.loader import load_tokenizer, resolve_model_path
+    from ...models.loader import load_tokenizer, resolve_model_path
     return load_tokenizer(resolve_model_path(name_or_folder))
 
 

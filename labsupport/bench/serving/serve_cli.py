@@ -172,7 +172,7 @@ def run(args) -> int:
     return 1 if any(r.summary["failed"] for r in results) else 0
 
 
-if __name__ == "__main__":  # python -m labsupport.bench.serve_cli ...
+if __name__ == "__main__":  # python -m labsupport.bench.serving.serve_cli ...
     parser = argparse.ArgumentParser(prog="python -m labsupport bench serve")
     add_arguments(parser)
     raise SystemExit(main(parser.parse_args()))

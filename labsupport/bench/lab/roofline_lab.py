@@ -11,7 +11,7 @@ the intensity. That cap is why a long-context decode never turns compute-bound o
 
 The costs are counted here (``step_costs``), the times are the engine's own record of real steps
 (``engine.last_step``), and this machine's roofs are measured by ``roofline.measure``.
-``python -m labsupport.bench.roofline_lab [--batches 1,4,16,64] [--json out.json]`` prints a table.
+``python -m labsupport.bench.lab.roofline_lab [--batches 1,4,16,64] [--json out.json]`` prints a table.
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ import statistics
 
 from tqdm.auto import tqdm
 
-from ..engine.request import SamplingParams
-from ..models.llama import ModelConfig
+from ...engine.request import SamplingParams
+from ...models.llama import ModelConfig
 from . import roofline
 
 H200 = {"name": "H200 (published)", "peak_flops": 989e12, "peak_bw": 4.8e12, "dtype_bytes": 2}  # dense BF16, HBM3e
@@ -284,10 +284,10 @@ def reading(report: dict, model_config: ModelConfig | None = None, verify=(), ve
 def main(argv=None) -> int:
     import torch
 
-    from .. import LLM
-    from ..models.loader import RANDOM_MODELS
+    from ... import LLM
+    from ...models.loader import RANDOM_MODELS
 
-    p = argparse.ArgumentParser(prog="python -m labsupport.bench.roofline_lab", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m labsupport.bench.lab.roofline_lab", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="HF folder or random:NAME (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)), help="decode batch sizes")
     p.add_argument("--prompt-len", type=int, default=256, help="tokens of the prefill point")
@@ -319,7 +319,7 @@ def main(argv=None) -> int:
     if args.json:
         import time
 
-        from .compare import machine
+        from ..offline.compare import machine
         with open(args.json, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d"), "machine": machine(), **report, "roofline": roof}, f,
                       indent=2, default=str)

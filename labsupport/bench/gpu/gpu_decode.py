@@ -32,7 +32,7 @@ def random_decode_case(lens, heads, kv_heads, head_dim, block_size, dtype, devic
     """q, K/V pools and ``DecodeRows`` for decode rows of context ``lens``: random values in every slot
     (block 0 too, so an unmasked padding slot shows) and shuffled, non-contiguous block tables padded
     with block 0, as ``PagedAttention.prepare`` builds them."""
-    from ..engine.paged_attention import DecodeRows
+    from ...engine.paged_attention import DecodeRows
 
     gen = torch.Generator().manual_seed(seed)
     per_seq = [-(-n // block_size) for n in lens]
@@ -83,8 +83,8 @@ def copy_bandwidth(device, nbytes: int) -> float:
 
 def decode_paths(device) -> dict:
     """The decode paths that can run here: always PyTorch's; the kernel on CUDA or under the interpreter."""
-    from ..engine import triton_attention
-    from ..engine.paged_attention import paged_decode_attention
+    from ...engine import triton_attention
+    from ...engine.paged_attention import paged_decode_attention
 
     paths = {"torch": paged_decode_attention}
     if triton_attention.available(device):
@@ -95,7 +95,7 @@ def decode_paths(device) -> dict:
 # ------------------------------------------------------------------ 1. the kernel
 
 def check_kernel(device, quick: bool) -> dict:
-    from ..engine.paged_attention import PagedAttention, paged_decode_attention
+    from ...engine.paged_attention import PagedAttention, paged_decode_attention
 
     paths = decode_paths(device)
     if "triton" not in paths:
@@ -136,7 +136,7 @@ def check_kernel(device, quick: bool) -> dict:
 # ------------------------------------------------------------------ 2. one decode step of the engine
 
 def check_decode(device, quick: bool, dtype, copy_bw: float) -> dict:
-    from ..models.loader import RANDOM_MODELS
+    from ...models.loader import RANDOM_MODELS
 
     batch, (lo, hi) = (4, (24, 40)) if quick else (64, (512, 1024))
     lens = [lo + (hi - lo) * i // max(batch - 1, 1) for i in range(batch)]
@@ -152,11 +152,11 @@ def check_decode(device, quick: bool, dtype, copy_bw: float) -> dict:
 
 def time_decode_step(cfg, lens, device, dtype, copy_bw: float, quick: bool) -> dict:
     """One decode step of ``len(lens)`` sequences through ``ModelRunner.execute``, with each decode path."""
-    from ..engine.cuda_graphs import DecodeGraphs
-    from ..engine.paged_attention import PagedAttention
-    from ..engine.runner import ModelRunner
-    from ..engine.scheduler import SchedulerOutput
-    from ..models.loader import random_model
+    from ...engine.cuda_graphs import DecodeGraphs
+    from ...engine.paged_attention import PagedAttention
+    from ...engine.runner import ModelRunner
+    from ...engine.scheduler import SchedulerOutput
+    from ...models.loader import random_model
 
     model = random_model(cfg, device, dtype)
     embedding = model.model.embed_tokens.weight  # read only at B rows, unless it is also the LM head
@@ -199,7 +199,7 @@ def free_memory(device):
 
 def random_llm(spec: str, device, dtype, num_blocks: int, **options):
     """An ``LLM`` on a ``random:`` model of a real shape (no files), with a KV pool of ``num_blocks``."""
-    from .. import LLM
+    from ... import LLM
     return LLM(model=spec, device=str(device), dtype=str(dtype).removeprefix("torch."), num_blocks=num_blocks,
                block_size=BLOCK_SIZE, **options)
 
@@ -207,9 +207,9 @@ def random_llm(spec: str, device, dtype, num_blocks: int, **options):
 # ------------------------------------------------------------------ 3. W1 through the engine
 
 def check_w1(device, quick: bool, dtype) -> dict:
-    from .driver import run_workload
-    from .metrics import summarize
-    from .workload import BenchRequest
+    from ..offline.driver import run_workload
+    from ..summary import summarize
+    from ..offline.workload import BenchRequest
 
     spec, (n, n_in, n_out) = ("random:tiny", (4, 32, 8)) if quick else ("random:smollm2-135m", (32, 200, 128))
     num_blocks = n * -(-(n_in + n_out + 1) // BLOCK_SIZE) + 16

@@ -40,7 +40,7 @@ class Timed:
 
 def run_batch(llm, batch: int, tokens: int, structured, timers=()) -> list[tuple[float, ...]]:
     """Per step in which all ``batch`` requests decode: (step time, then each timer's time in it), in s."""
-    from ..engine.request import SamplingParams
+    from ...engine.request import SamplingParams
     engine = llm.engine
     ids, _ = llm.tokenize(ASK)
     params = SamplingParams(max_tokens=tokens, temperature=0.7, seed=1, structured_outputs=structured)
@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8, help="requests decoding together")
     parser.add_argument("--tokens", type=int, default=48, help="max_tokens of each request")
     args = parser.parse_args(argv)
-    from ..llm import LLM
-    from .roofline import warn_if_busy
+    from ...llm import LLM
+    from ..lab.roofline import warn_if_busy
     busy = warn_if_busy()
     llm = LLM(args.model, device=args.device)
     spec = {"json": SCHEMA}

@@ -34,8 +34,8 @@ def hf_model(cfg, state: dict, device):
 
 
 def check_parity(device, quick: bool) -> dict:
-    from .. import LLM, SamplingParams
-    from ..engine.runner import sequence_logits
+    from ... import LLM, SamplingParams
+    from ...engine.runner import sequence_logits
 
     out, ok = {}, True
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENGINES = ("ours", "ours-thread", "vllm")
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @dataclass(frozen=True)
@@ -66,9 +66,9 @@ def guidellm_bin() -> Path:
 def start_server(engine: str, folder: str):
     """The server as a user starts it: its defaults, our context length, the served name ``smol``."""
     if engine == "vllm":
-        from ..servers import VllmServer
+        from ...servers import VllmServer
         return VllmServer(folder, max_model_len=MAX_MODEL_LEN).start()
-    from ..pd.cluster import Worker
+    from ...pd.cluster import Worker
     args = ["--served-model-name", "smol", "--max-model-len", str(MAX_MODEL_LEN)]
     if engine == "ours-thread":
         args.append("--engine-in-process")
@@ -77,8 +77,8 @@ def start_server(engine: str, folder: str):
 
 def run_vllm_bench(url: str, load: VllmBenchLoad, folder: str, timeout_s: float = 900) -> dict:
     """``vllm bench serve`` (openai-chat backend, as users point it at a chat server): its saved JSON."""
-    from ..servers import client_env
-    from ..servers import vllm_bin
+    from ...servers import client_env
+    from ...servers import vllm_bin
     rate = "inf" if math.isinf(load.request_rate) else str(load.request_rate)
     with tempfile.TemporaryDirectory(prefix="labsupport-serve-compare-") as work:
         cmd = [str(vllm_bin("vllm")), "bench", "serve", "--backend", "openai-chat", "--endpoint",
@@ -159,7 +159,7 @@ def guidellm_rounds(engines: list[str], rounds: int, folder: str, shape: dict, l
     """guidellm alone, ``rounds`` times per server, the servers alternating and each started afresh: the spread
     of a figure one run cannot settle: at 16 closed-loop streams the two servers are level, so one run of each
     says more about the moment than about the servers (``benchmarks/README.md`` has the runs)."""
-    from ..pd.cluster import stop_all
+    from ...pd.cluster import stop_all
     rows = []
     for i in range(rounds):
         for engine in engines:
@@ -191,11 +191,11 @@ def rounds_summary(rows: list[dict]) -> str:
 
 def measure(engines: list[str], quick: bool = False, folder: str | None = None, log=print, rounds: int = 0,
             only_rounds: bool = False) -> dict:
-    from ..models.loader import prepare_default_model
-    from .compare import machine
+    from ...models.loader import prepare_default_model
+    from ..offline.compare import machine
     folder = str(folder or prepare_default_model())
     loads, shape = (QUICK_LOADS, QUICK_GUIDELLM) if quick else (LOADS, GUIDELLM)
-    from ..pd.cluster import stop_all
+    from ...pd.cluster import stop_all
     results = {}
     for engine in [] if only_rounds else engines:
         log(f"{engine}: starting the server")

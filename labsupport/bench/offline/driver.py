@@ -16,7 +16,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from ..engine.request import SamplingParams
+from ...engine.request import SamplingParams
 from .workload import BenchRequest
 
 

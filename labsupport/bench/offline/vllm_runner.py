@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from .. import procs
+from ... import procs
 from .engine_runner import offline_figures
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -24,11 +24,11 @@ WORKER = Path(__file__).with_name("vllm_worker.py")
 
 def default_python() -> Path:
     """``.venv-vllm/bin/python`` beside the repository (or the current directory)."""
-    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
+    for root in (Path(__file__).resolve().parents[3], Path.cwd()):
         candidate = root / ".venv-vllm" / "bin" / "python"
         if candidate.exists():
             return candidate
-    return Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+    return Path(__file__).resolve().parents[3] / ".venv-vllm" / "bin" / "python"
 
 
 def cpu_env() -> dict:

@@ -26,7 +26,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from ..data import text
+from ...data import text
 
 CODE = '''def total_price(items, tax_rate):
     total = 0
@@ -53,7 +53,7 @@ WORKLOADS = {"repetitive": REPETITIVE, "open-ended": OPEN_ENDED}
 
 def spec_engines(ks, method: str = "ngram", draft: str | None = None, **options) -> dict:
     """One LLM per k (0: plain decoding); they share the model's weights."""
-    from .. import LLM
+    from ... import LLM
     engines = {}
     for k in ks:
         spec = None
@@ -67,7 +67,7 @@ def spec_engines(ks, method: str = "ngram", draft: str | None = None, **options)
 def measure(llm, prompts, temperature: float, max_tokens: int, seed: int = 0, one_at_a_time: bool = False) -> dict:
     """Decode ``prompts`` together (or each alone: one user's latency); tokens/s and the spec-decode
     counters of this run alone."""
-    from .. import SamplingParams
+    from ... import SamplingParams
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i)
               for i in range(len(prompts))]
     llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm the kernels
@@ -125,7 +125,7 @@ def run(ks=(0, 2, 4, 8), temperatures=(0.0, 1.0), batch_sizes=(4, 16), max_token
         row["same_tokens"] = row["token_ids"] == base["token_ids"] if row["temperature"] == 0 else None
     for llm in engines.values():
         llm.shutdown()
-    from .compare import machine
+    from ..offline.compare import machine
     return {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "method": method, "draft": draft,
             "max_tokens": max_tokens, "rows": rows}
 
@@ -133,7 +133,7 @@ def run(ks=(0, 2, 4, 8), temperatures=(0.0, 1.0), batch_sizes=(4, 16), max_token
 def noise(report: dict) -> dict:
     """How far plain decoding of the same prompts differed from itself (``repeat`` rows); ``threshold``: the
     ratio a speed-up must exceed to be called a difference, ``max(largest, 1 + DRIFT)``."""
-    from .compare import DRIFT
+    from ..offline.compare import DRIFT
     pairs = [r["speedup"] for r in report["rows"] if r.get("repeat")]
     largest = max((max(x, 1 / x) for x in pairs), default=1.0)
     return {"repeats": len(pairs), "largest": largest, "threshold": max(largest, 1 + DRIFT)}
@@ -184,7 +184,7 @@ def _speed(x: float, threshold: float) -> str:
 
 def reading(report: dict) -> str:
     """The sweep in sentences, every figure from ``report`` (Markdown bullets, one run each)."""
-    from .compare import DRIFT
+    from ..offline.compare import DRIFT
     rows = [r for r in report["rows"] if r["k"] > 0]
     one = [r for r in rows if r["sweep"] == "k"]
     n = noise(report)

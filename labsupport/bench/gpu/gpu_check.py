@@ -118,7 +118,7 @@ def print_report(r: dict):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m labsupport.bench.gpu_check", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m labsupport.bench.gpu.gpu_check", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (only sensible with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of the script, on any device")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the full report as JSON")

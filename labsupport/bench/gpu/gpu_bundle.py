@@ -15,12 +15,12 @@ SHA-256 of every part and of the whole. Subcommands:
 
 * ``build``: make the bundle (``make gpu-bundle``), print what each command carries;
 * ``course``: on the GPU machine (``make gpu-course``), check and join the parts that arrived, install
-  the wheels into a folder of their own, prepare the model, run ``labsupport.bench.gpu_course``;
+  the wheels into a folder of their own, prepare the model, run ``labsupport.bench.gpu.gpu_course``;
 * ``rehearse``: the same ``course``, here on the CPU, from a copy of what would travel (the working tree
   and the parts), in a bare virtual environment that sees only the GPU image's packages (borrowed from
   ``.venv``) and installs the bundle with ``pip --no-index``: a missing wheel or file fails here.
 
-This file uses the standard library only and is run by its path (``python3 labsupport/bench/gpu_bundle.py``):
+This file uses the standard library only and is run by its path (``python3 labsupport/bench/gpu/gpu_bundle.py``):
 on the GPU machine it runs before anything it installs exists.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ import tarfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 IMAGE_PACKAGES = ROOT / "labsupport" / "data" / "gpu_image_packages.txt"
 DEVICE_PYTHON = "3.12"  # the GPU machine's python3
 DEVICE_PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x86_64",
@@ -233,8 +233,8 @@ def report(manifest: dict, out: Path):
         carried = (p["bytes"] + manifest["tree_bytes"]) / MIB
         print(f"  command {p['call']}: carry [\"{rel}/call{p['call']}\"]  ({p['bytes'] / MIB:.1f} MiB, "
               f"{carried:.1f} MiB with the tree)")
-    print("commands 1 and 2 run `python3 labsupport/bench/gpu_bundle.py status`; command 3 runs `python3 "
-          "labsupport/bench/gpu_bundle.py course --archive $OUT -- --deadline 420 --cell-timeout 90` (docs/gpu.md)")
+    print("commands 1 and 2 run `python3 labsupport/bench/gpu/gpu_bundle.py status`; command 3 runs `python3 "
+          "labsupport/bench/gpu/gpu_bundle.py course --archive $OUT -- --deadline 420 --cell-timeout 90` (docs/gpu.md)")
 
 
 # ------------------------------------------------------------------ course (GPU side, or the rehearsal)
@@ -358,7 +358,7 @@ def course(args) -> int:
     if not ok and args.strict:
         return 1
     run([sys.executable, "-m", "labsupport", "prepare"], env=env, cwd=ROOT)
-    runner = [sys.executable, "-m", "labsupport.bench.gpu_course", "--out", work / "out", *args.course_args]
+    runner = [sys.executable, "-m", "labsupport.bench.gpu.gpu_course", "--out", work / "out", *args.course_args]
     if args.archive:
         runner += ["--archive", Path(args.archive).resolve()]
     return subprocess.run([str(c) for c in runner], env=env, cwd=ROOT).returncode
@@ -434,12 +434,12 @@ def rehearse(args) -> int:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     device_work = tree / "build" / "gpu-course"
     # the tree's own copy of this file joins the parts, as on the GPU machine; then the twins are fetched
-    run([venv / "bin" / "python", tree / "labsupport" / "bench" / "gpu_bundle.py", "join",
+    run([venv / "bin" / "python", tree / "labsupport" / "bench" / "gpu" / "gpu_bundle.py", "join",
          "--bundle", tree / "build" / "gpu-bundle", "--work", device_work], env=env, cwd=tree)
     twins(device_work / "unpacked" / "bundle", twins_dir, minor)
     check_other_python(device_work / "unpacked" / "bundle", scratch)
     chapters = args.chapters or "00,02"
-    cmd = [venv / "bin" / "python", tree / "labsupport" / "bench" / "gpu_bundle.py", "course", "--strict",
+    cmd = [venv / "bin" / "python", tree / "labsupport" / "bench" / "gpu" / "gpu_bundle.py", "course", "--strict",
            "--bundle", tree / "build" / "gpu-bundle", "--work", device_work, "--extra-wheels", twins_dir,
            "--archive", scratch / "results", "--", "--chapters", chapters, *args.course_args]
     print("+", " ".join(map(str, cmd)), flush=True)
@@ -483,14 +483,14 @@ def main(argv=None) -> int:
             c.add_argument("--archive", default=None, help="also put the results here ($OUT on the GPU machine)")
             c.add_argument("--extra-wheels", action="append", default=[], help="more wheel folders (the rehearsal's)")
             c.add_argument("--strict", action="store_true", help="stop if a bundled package's requirement is not met")
-            c.add_argument("course_args", nargs="*", help="after --: labsupport.bench.gpu_course's own options")
+            c.add_argument("course_args", nargs="*", help="after --: labsupport.bench.gpu.gpu_course's own options")
     st = sub.add_parser("status", help="which parts have arrived (the commands that carry the first parts)")
     st.add_argument("--bundle", default=str(ROOT / "build" / "gpu-bundle"))
     r = sub.add_parser("rehearse", help="the course command on this CPU, from a copy of what would travel")
     r.add_argument("--calls", type=int, default=3)
     r.add_argument("--chapters", default=None, help="default 00,02")
     r.add_argument("--reuse-bundle", action="store_true", help="use build/gpu-bundle as it is")
-    r.add_argument("course_args", nargs="*", help="after --: labsupport.bench.gpu_course's own options")
+    r.add_argument("course_args", nargs="*", help="after --: labsupport.bench.gpu.gpu_course's own options")
     args = parser.parse_args(argv)
     if args.command == "build":
         build(Path(args.out), args.calls)

@@ -18,7 +18,8 @@ import platform
 import sys
 import time
 
-from . import engine_runner, hf_baseline, roofline, vllm_runner
+from ..lab import roofline
+from . import engine_runner, hf_baseline, vllm_runner
 from .workload import COMPARISON_WORKLOADS, comparison_workloads, warmup_prompts
 
 ENGINES = ("labsupport", "transformers", "vllm")
@@ -102,7 +103,7 @@ def run(args, argv=None) -> dict:
     names = _split(args.workloads, COMPARISON_WORKLOADS, "workloads")
     from transformers import AutoTokenizer
 
-    from ..models.loader import resolve_model_path
+    from ...models.loader import resolve_model_path
 
     folder = resolve_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -105,7 +105,7 @@ async def stream(client: httpx.AsyncClient, url: str, body: dict, hang_up_after:
 
 
 def metrics(url: str) -> dict[str, float]:
-    from ..serve.metrics import parse_metrics
+    from ...serve.metrics import parse_metrics
     return parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
 
 

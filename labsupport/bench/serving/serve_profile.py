@@ -116,7 +116,7 @@ def profile(engine: str, folder: str, seconds: float = 20.0, log=print) -> dict:
         return {"samples": {t: dict(c) for t, c in everything.items()},
                 "gil_holders": {t: dict(c) for t, c in holders.items()}, "bench": result.get("bench")}
     finally:
-        from ..pd.cluster import stop_all
+        from ...pd.cluster import stop_all
         stop_all([server])
 
 
@@ -149,8 +149,8 @@ def add_arguments(p: argparse.ArgumentParser):
 
 
 def main(args) -> int:
-    from ..models.loader import prepare_default_model
-    from .compare import machine
+    from ...models.loader import prepare_default_model
+    from ..offline.compare import machine
     folder = str(args.model or prepare_default_model())
     if os.geteuid() != 0:
         print("note: py-spy needs ptrace rights over the server (root, or kernel.yama.ptrace_scope=0)")

@@ -1,4 +1,4 @@
-"""``python -m labsupport.bench.quant``: what quantization buys and what it costs, side by side in one run.
+"""``python -m labsupport.bench.lab.quant``: what quantization buys and what it costs, side by side in one run.
 
 For each method (``fp32``, ``bf16``, ``int8``, ``int4``) one engine is built and measured on:
 
@@ -25,10 +25,10 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from ..data import text
-from ..engine.request import SamplingParams
-from ..engine.runner import sequence_logits
-from ..models.quantize import quantize_model
+from ...data import text
+from ...engine.request import SamplingParams
+from ...engine.runner import sequence_logits
+from ...models.quantize import quantize_model
 
 DEFAULT_METHODS = ("fp32", "bf16", "int8", "int4")
 
@@ -65,7 +65,7 @@ def parse_method(spec: str) -> dict:
 
 def build_llm(spec: str, model=None):
     """An engine for one method: fp32 or bf16 as loaded, int8/int4 quantized in place after loading."""
-    from .. import LLM
+    from ... import LLM
 
     method = parse_method(spec)
     llm = LLM(model=model, device="cpu", dtype="bfloat16" if method["name"] == "bf16" else "float32")
@@ -172,7 +172,7 @@ def _measure(methods, tokens, questions, ppl_tokens, batch, model, progress) -> 
     for row in rows.values():
         row["memory_ratio"] = row["bytes_read_per_step"] / base["bytes_read_per_step"]
         row["speedup"] = row["decode_tok_s"] / base["decode_tok_s"]
-    from .compare import machine
+    from ..offline.compare import machine
     return {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "methods": rows,
             "settings": {"tokens": tokens, "batch": batch, "questions": len(base["answers"]),
                          "ppl_tokens": ppl_tokens, "threads": torch.get_num_threads(),
@@ -200,7 +200,7 @@ def format_table(report: dict) -> str:
 
 def reading(report: dict) -> str:
     """The table in sentences, every figure from ``report``; ratios are to the first method (Markdown bullets)."""
-    from .compare import DRIFT, beyond_drift
+    from ..offline.compare import DRIFT, beyond_drift
     rows = report["methods"]
     first, base = next(iter(rows.items()))
     others = {k: r for k, r in rows.items() if k != first}
@@ -226,7 +226,7 @@ def reading(report: dict) -> str:
 
 def label(report: dict) -> str:
     """Where and when a report was measured (older saved reports carry a label added afterwards)."""
-    from .compare import describe_machine
+    from ..offline.compare import describe_machine
     m = report.get("machine")
     return f"{describe_machine(m)}, {report['date']}" if m else "an unrecorded machine and date"
 
@@ -267,7 +267,7 @@ def add_arguments(parser: argparse.ArgumentParser):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m labsupport.bench.quant",
+    parser = argparse.ArgumentParser(prog="python -m labsupport.bench.lab.quant",
                                      description=__doc__.split("\n")[0].split(": ", 1)[1])
     add_arguments(parser)
     return main_from_args(parser.parse_args(argv))

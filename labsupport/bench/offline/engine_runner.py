@@ -50,7 +50,7 @@ def _requests(name, workload):
 
 def run(folder, workloads: dict, warmup: list[list[int]], log=print, **engine_options) -> dict:
     """Results by workload name (plus ``"startup_s"`` and ``"outputs"``: W1's first token ids)."""
-    from .. import LLM
+    from ... import LLM
 
     engines, results = {}, {"startup_s": 0.0}
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 import statistics
 
 from .gpu_decode import random_llm
-from .workload import long_prompt_workload
+from ..offline.workload import long_prompt_workload
 
 
 def _run(llm, workload, chunked: bool, budget: int) -> dict:
-    from .driver import run_workload
-    from .metrics import summarize
+    from ..offline.driver import run_workload
+    from ..summary import summarize
 
     steps = []  # (seconds, prompt tokens in the step, sequences)
 

@@ -1,6 +1,6 @@
 """Every chapter notebook executed top to bottom, as an attendee's "Restart & Run All" would, on this machine.
 
-    python -m labsupport.bench.gpu_course --out build/gpu-course/out [--chapters 00,02] [--archive DIR]
+    python -m labsupport.bench.gpu.gpu_course --out build/gpu-course/out [--chapters 00,02] [--archive DIR]
 
 Made for a GPU machine (``make gpu-course``, docs/gpu.md), and it runs anywhere the chapters do. Each
 chapter runs in a fresh Jupyter kernel (nbclient) from the notebooks' folder with its parameters as
@@ -33,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 NOTEBOOKS = ROOT / "notebooks"
 CHECK_MARK = "\u2713"
 
@@ -244,7 +244,7 @@ def write_summary(out: Path, archive: Path | None, info: dict, rows: list[dict],
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m labsupport.bench.gpu_course", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m labsupport.bench.gpu.gpu_course", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(ROOT / "build" / "gpu-course" / "out"))
     parser.add_argument("--archive", default=None, help="also copy the tar.gz and both summaries here (e.g. $OUT)")
     parser.add_argument("--chapters", default="all", help="e.g. 00,02 (default all)")

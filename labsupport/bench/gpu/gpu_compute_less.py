@@ -26,7 +26,7 @@ K = 4  # guesses per verify step
 
 
 def check_spec_identity(device, dtype) -> dict:
-    from ..engine.request import SamplingParams
+    from ...engine.request import SamplingParams
 
     prompts = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], list(range(40, 60))]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -49,7 +49,7 @@ def check_spec_identity(device, dtype) -> dict:
 
 def _decoding(llm, batch: int, context: int, seed: int = 0):
     """``batch`` requests past their prompt of ``context`` tokens, ready to decode."""
-    from ..engine.request import SamplingParams
+    from ...engine.request import SamplingParams
 
     rng, vocab = random.Random(seed), llm.engine.model.config.vocab_size
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)

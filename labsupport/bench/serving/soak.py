@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser):
 
 
 def start(model: str | None):
-    from ..pd.cluster import Router, Worker, start_all
+    from ...pd.cluster import Router, Worker, start_all
     server = Worker(None, None, model=model, args=SERVER_ARGS, name="server")
     pd_args = [*SERVER_ARGS, "--kv-lease-s", "3"]
     prefill = Worker("prefill", "0", model=model, args=pd_args, name="prefill")
@@ -96,7 +96,7 @@ def report(figures: dict) -> tuple[str, bool]:
 
 
 def run(args) -> dict:
-    from ..pd.cluster import stop_all
+    from ...pd.cluster import stop_all
     t0 = time.perf_counter()
     print("starting a server and a 1P+1D deployment (three model processes and a router) ...", flush=True)
     server, prefill, decode, router = procs = start(args.model)
@@ -147,7 +147,7 @@ def main(args) -> int:
     print("\nsoak details: " + json.dumps(result["details"], default=str))
     print(f"\nsoak figures after {result['seconds']:.0f} s (issue 41's targets):\n{text}")
     if args.json:
-        from .compare import machine
+        from ..offline.compare import machine
         with open(args.json, "w") as f:
             json.dump({"machine": machine(), **result}, f, indent=2, default=str)
         print(f"wrote {args.json}")

@@ -53,7 +53,7 @@ def main(args) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from .. import LLM
+    from ... import LLM
     from .driver import run_workload
     from .workload import BenchRequest, poisson_workload, warmup_prompts
 
