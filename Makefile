@@ -89,7 +89,7 @@ execute: model
 # checkpoint): the Triton kernel, decode-step bandwidth and W1, in under 8 minutes.
 # GPU_CHECK_ARGS="--json gpu_check.json" keeps the figures; --device cpu --quick tries it anywhere.
 gpu-check:
-	$(PYTHON) -m labsupport.bench.gpu_check $(GPU_CHECK_ARGS)
+	$(PYTHON) -m labsupport.bench.gpu.gpu_check $(GPU_CHECK_ARGS)
 
 # The whole course on a GPU machine (docs/gpu.md). `make gpu-bundle`, here: the wheels its image lacks and
 # the model, packed and cut into parts that travel one per command. `make gpu-course`, there, after the
@@ -98,17 +98,17 @@ gpu-check:
 # the same from a copy of what would travel, on the CPU, in a bare venv that sees only the GPU image's packages,
 # installing the bundle with pip --no-index (chapters 00 and 02; `make test` runs it as `gpu-rehearsal`).
 gpu-bundle: setup
-	$(BIN)/python labsupport/bench/gpu_bundle.py build
+	$(BIN)/python labsupport/bench/gpu/gpu_bundle.py build
 
 ifneq (,$(filter --rehearse,$(GPU_COURSE_ARGS)))
 gpu-course: gpu-rehearsal
 else
 gpu-course:
-	$(PYTHON) labsupport/bench/gpu_bundle.py course $(GPU_COURSE_ARGS)
+	$(PYTHON) labsupport/bench/gpu/gpu_bundle.py course $(GPU_COURSE_ARGS)
 endif
 
 gpu-rehearsal: model
-	$(BIN)/python labsupport/bench/gpu_bundle.py rehearse $(filter-out --rehearse,$(GPU_COURSE_ARGS))
+	$(BIN)/python labsupport/bench/gpu/gpu_bundle.py rehearse $(filter-out --rehearse,$(GPU_COURSE_ARGS))
 
 # `make vllm`: vLLM in its own venv (it pins its own torch and transformers), for chapter 08 and
 # `bench compare`. With nvidia-smi: the CUDA package `vllm`, and nixl for chapter 08's NixlConnector

@@ -149,7 +149,7 @@ def run_bench(llm, args) -> int:
     import json
 
     from .bench import long_prompt_workload, poisson_workload, run_workload, summarize
-    from .bench.metrics import format_summary
+    from .bench.summary import format_summary
 
     if args.workload == "poisson":
         workload = poisson_workload(llm.tokenizer, args.num_requests, args.rate, args.input_len, args.output_len,

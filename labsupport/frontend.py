@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from .engine.request import Request, RequestMetrics, RequestOutput, SamplingParams, next_request_id
-from .serve.result_cache import ResultCache, is_deterministic, result_key
+from .result_cache import ResultCache, is_deterministic, result_key
 
 
 def is_chat(prompt) -> bool:

@@ -8,7 +8,7 @@ dict ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``; a dict may carry ``"
 (the tenant: requests with different salts share no cached KV and no cached results).
 
 ``enable_result_cache=True`` puts an exact-match result cache in front of the engine
-(``labsupport.serve.result_cache``); ``generate(..., use_result_cache=False)`` bypasses it.
+(``labsupport.result_cache``); ``generate(..., use_result_cache=False)`` bypasses it.
 ``with llm.plugged(schedule_fn=...)`` runs the engine on an exercise's piece for a while.
 ``llm.shutdown()`` returns the engine's memory at once (engines of one model share its weights).
 
@@ -28,7 +28,7 @@ from .engine.config import EngineConfig
 from .engine.engine import LLMEngine
 from .engine.request import RequestOutput, SamplingParams
 from .frontend import Frontend, is_chat
-from .serve.result_cache import ResultCache
+from .result_cache import ResultCache
 
 
 class LLM:

@@ -9,7 +9,7 @@ import pytest
 
 from labsupport import LLM, SamplingParams
 from labsupport.bench import poisson_workload, run_workload, summarize
-from labsupport.bench.metrics import percentile
+from labsupport.bench.summary import percentile
 
 
 def test_workload_is_seeded_and_follows_its_arguments(llm):
@@ -75,7 +75,7 @@ ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def test_comparison_workloads_are_seeded_and_sized(llm):
-    from labsupport.bench.workload import comparison_workloads
+    from labsupport.bench.offline.workload import comparison_workloads
 
     full = comparison_workloads(llm.tokenizer)
     w1 = full["W1"]
@@ -92,7 +92,7 @@ def test_comparison_workloads_are_seeded_and_sized(llm):
 
 
 def test_offline_figures_count_decode_after_the_last_first_token():
-    from labsupport.bench.engine_runner import offline_figures
+    from labsupport.bench.offline.engine_runner import offline_figures
 
     fig = offline_figures(3.0, [11, 11], first_s=[1.0, 1.0], last_s=[3.0, 3.0])
     assert fig["output_tok_s"] == pytest.approx(22 / 3) and fig["tpot_ms"] == pytest.approx(200)
@@ -101,7 +101,7 @@ def test_offline_figures_count_decode_after_the_last_first_token():
 
 
 def test_roofline_floor_takes_the_slower_of_memory_and_compute():
-    from labsupport.bench.roofline import achieved, decode_floor
+    from labsupport.bench.lab.roofline import achieved, decode_floor
 
     roof = {"read_gbps": 10.0, "matmul": {"fp32": {"decode_gflops": {1: 5.0, 32: 50.0}}},
             "model": {"weight_bytes": 1e9, "kv_bytes_per_token": 1e3, "matmul_params": 1e8}}
@@ -113,8 +113,8 @@ def test_roofline_floor_takes_the_slower_of_memory_and_compute():
 
 
 def test_vllm_runner_skips_with_a_reason_without_its_venv(llm, tmp_path):
-    from labsupport.bench import vllm_runner
-    from labsupport.bench.workload import comparison_workloads
+    from labsupport.bench.offline import vllm_runner
+    from labsupport.bench.offline.workload import comparison_workloads
 
     work = comparison_workloads(llm.tokenizer, ["W0"], quick=True)
     result = vllm_runner.run(llm.engine.model_path, work, [[1, 2, 3]], python=tmp_path / "nope" / "python")
@@ -165,7 +165,7 @@ def test_bench_subcommand_rejects_unknown_engine():
 def test_small_samples_report_the_max_not_a_p99():
     from types import SimpleNamespace
 
-    from labsupport.bench.metrics import format_summary, summarize, tail
+    from labsupport.bench.summary import format_summary, summarize, tail
 
     def out(ttft, gaps):
         m = SimpleNamespace(ttft=ttft, tpot=sum(gaps) / len(gaps), itl=gaps, latency=ttft + sum(gaps), queueing_time=0.0)

@@ -5,10 +5,10 @@ import re
 import httpx
 import pytest
 
-from labsupport.bench import capstone
-from labsupport.bench.serve_bench import benchmark, payload
-from labsupport.bench.serve_datasets import SampleRequest
-from labsupport.viz.capstone import format_decision, format_full, plot_capstone, reading
+from labsupport.experiments import capstone
+from labsupport.bench.serving.serve_bench import benchmark, payload
+from labsupport.bench.serving.serve_datasets import SampleRequest
+from labsupport.viz.capstone_plot import format_decision, format_full, plot_capstone, reading
 
 
 def cell(tok_s, slo=1.0, tpot=50.0, hit=0.5):
@@ -96,7 +96,7 @@ def test_capstone_run_on_loopback_shared_prompt_hits_only_with_prefix_caching(tm
 def test_transformers_serve_answers_the_load_generator():
     from labsupport.models.loader import resolve_model_path
     from labsupport.pd.cluster import start_all, stop_all
-    from labsupport.side_by_side.servers import TransformersServer
+    from labsupport.servers import TransformersServer
     folder = str(resolve_model_path(None))
     w = TransformersServer(folder)
     start_all([w], 300)
@@ -121,7 +121,7 @@ def test_heatmap_labels_contrast_with_their_cells():
     white on the darkest green (the saved run's 6.67x)."""
     import matplotlib.colors as mcolors
 
-    from labsupport.viz.capstone import text_color
+    from labsupport.viz.capstone_plot import text_color
 
     def luminance(color):
         return sum(w * (c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4)

@@ -30,7 +30,7 @@ def test_cache_levels_draw_every_level_in_both_panels():
 def test_policy_comparison_labels_a_small_sample_tail_as_max():
     from types import SimpleNamespace
 
-    from labsupport.bench.metrics import summarize
+    from labsupport.bench.summary import summarize
 
     def out(t):
         return SimpleNamespace(metrics=SimpleNamespace(ttft=t, tpot=0.01, itl=[0.01], latency=t + 0.01,

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from labsupport.bench import course_table as ct
-from labsupport.viz import course_table as view
+from labsupport.experiments import course_table as ct
+from labsupport.viz import course_table_plot as view
 
 
 @pytest.fixture(scope="module")

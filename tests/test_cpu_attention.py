@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from labsupport import LLM, SamplingParams
-from labsupport.bench.gpu_decode import random_decode_case as random_case
+from labsupport.bench.gpu.gpu_decode import random_decode_case as random_case
 from labsupport.kernels import cpu_attention
 from labsupport.engine.paged_attention import PagedAttention, paged_decode_attention
 

@@ -198,7 +198,7 @@ def test_the_other_instruction_sets_compute_the_same(built, vectors):
     import platform
     from torch.utils.cpp_extension import load_inline
     from labsupport.engine.paged_attention import paged_decode_attention
-    from labsupport.bench.gpu_decode import random_decode_case
+    from labsupport.bench.gpu.gpu_decode import random_decode_case
     if vectors == "avx2" and platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("AVX2 is x86's")
     flags = ["-O3", "-fopenmp"] + (["-mavx2", "-mfma"] if vectors == "avx2" else [])

@@ -5,8 +5,8 @@ import threading
 
 import pytest
 
-from labsupport.bench.serve_bench import benchmark
-from labsupport.bench.serve_datasets import sample_requests
+from labsupport.bench.serving.serve_bench import benchmark
+from labsupport.bench.serving.serve_datasets import sample_requests
 from labsupport.serve.api import create_app
 from labsupport.serve.background import BackgroundServer, free_port
 from labsupport.serve.metrics import parse_metrics

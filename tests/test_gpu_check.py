@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from labsupport.bench import gpu_check, gpu_decode
+from labsupport.bench.gpu import gpu_check, gpu_decode
 
 PARTS = ("kernel", "decode", "w1")
 
@@ -17,7 +17,7 @@ PARTS = ("kernel", "decode", "w1")
 def test_quick_run_on_the_cpu_reports_every_part(tmp_path):
     pytest.importorskip("triton", minversion="3.7", reason="the CPU runs the kernel under triton >= 3.7's interpreter")
     out = tmp_path / "gpu_check.json"
-    run = subprocess.run([sys.executable, "-m", "labsupport.bench.gpu_check", "--device", "cpu", "--quick",
+    run = subprocess.run([sys.executable, "-m", "labsupport.bench.gpu.gpu_check", "--device", "cpu", "--quick",
                           "--json", str(out)], cwd=Path(__file__).parents[1], capture_output=True, text=True,
                          timeout=300)
     print(run.stdout)

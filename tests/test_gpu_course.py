@@ -10,7 +10,7 @@ import nbformat
 import pytest
 from packaging.requirements import Requirement
 
-from labsupport.bench import gpu_bundle, gpu_course
+from labsupport.bench.gpu import gpu_bundle, gpu_course
 
 
 def test_parts_join_back_to_the_bundle(tmp_path):

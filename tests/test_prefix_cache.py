@@ -6,7 +6,7 @@ import pytest
 from labsupport import LLM, SamplingParams
 from labsupport.engine import prefix_cache
 from labsupport.engine.prefix_cache import hash_block
-from labsupport.serve.result_cache import ResultCache
+from labsupport.result_cache import ResultCache
 
 SYSTEM = "You are a careful assistant for a bakery. " + "Answer briefly, politely and precisely. " * 40
 QUESTIONS = ["What is sourdough?", "Do you sell rye bread?", "When do you open?", "Is there a gluten-free cake?"]

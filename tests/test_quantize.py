@@ -193,7 +193,7 @@ def test_fused_projections_are_unstacked_and_left_intact():
 
 
 def test_task_set_is_well_formed():
-    from labsupport.bench.quant import first_word, load_tasks
+    from labsupport.bench.lab.quant import first_word, load_tasks
     from labsupport.data import text
 
     tasks = load_tasks()
@@ -235,7 +235,7 @@ def test_a_short_run_asks_every_kind_and_saved_rows_are_recounted_by_kind():
 
 
 def test_bench_run_reports_every_method():
-    from labsupport.bench.quant import format_table, parse_method, run
+    from labsupport.bench.lab.quant import format_table, parse_method, run
 
     assert parse_method("int4-g64-sym") == {"name": "int4", "group_size": 64, "symmetric": True,
                                             "include_lm_head": True}
@@ -255,7 +255,7 @@ def test_bench_run_reports_every_method():
 
 
 def test_saved_run_is_labelled_and_read_from_its_own_figures():
-    from labsupport.bench.quant import label, reading
+    from labsupport.bench.lab.quant import label, reading
     from labsupport.data import text
 
     saved = json.loads(text("quant_cpu.json"))

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from labsupport import LLM, SamplingParams
 from labsupport.engine.detokenizer import IncrementalDetokenizer
 from labsupport.engine.request import Request
-from labsupport.serve.result_cache import ResultCache
+from labsupport.result_cache import ResultCache
 
 GREEDY4 = SamplingParams(max_tokens=4, temperature=0)
 
@@ -203,7 +203,7 @@ def test_generated_non_ascii_text_matches_a_full_decode(llm):
 def test_the_result_cache_ttl_is_honoured_by_the_frontend(monkeypatch):
     cache = ResultCache(ttl_s=10)
     clock = [100.0]
-    monkeypatch.setattr("labsupport.serve.result_cache.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("labsupport.result_cache.time.monotonic", lambda: clock[0])
     cache.put("k", "answer")
     assert cache.get("k") == "answer"
     clock[0] += 11
@@ -213,7 +213,7 @@ def test_the_result_cache_ttl_is_honoured_by_the_frontend(monkeypatch):
 def test_an_expired_result_is_computed_again(llm, monkeypatch):
     cached = LLM(device="cpu", enable_result_cache=True, result_cache_ttl_s=10)
     clock = [100.0]
-    monkeypatch.setattr("labsupport.serve.result_cache.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("labsupport.result_cache.time.monotonic", lambda: clock[0])
     first = cached.generate("Hello", GREEDY4, use_tqdm=False)[0]
     assert cached.frontend.prepare("Hello", GREEDY4).cached is not None
     clock[0] += 11

@@ -7,7 +7,7 @@ matplotlib.use("Agg")
 
 import pytest
 
-from labsupport.bench import roofline, roofline_lab as rl
+from labsupport.bench.lab import roofline, roofline_lab as rl
 from labsupport.models.loader import RANDOM_MODELS, prepare_default_model
 
 TINY = RANDOM_MODELS["tiny"]  # V 512, d 64, I 128, 2 layers, 4 heads of 16, 2 KV heads, tied embeddings

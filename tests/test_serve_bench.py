@@ -12,9 +12,9 @@ import math
 import numpy as np
 import pytest
 
-from labsupport.bench.serve_bench import BenchResult, RequestResult, benchmark, goodput, summarize
-from labsupport.bench.serve_datasets import SampleRequest, arrival_gaps, arrival_times, sample_requests
-from labsupport.bench.serve_metrics import parse_metrics, server_metrics_delta
+from labsupport.bench.serving.serve_bench import BenchResult, RequestResult, benchmark, goodput, summarize
+from labsupport.bench.serving.serve_datasets import SampleRequest, arrival_gaps, arrival_times, sample_requests
+from labsupport.bench.serving.serve_metrics import parse_metrics, server_metrics_delta
 from labsupport.serve.api import create_app
 from labsupport.serve.background import BackgroundServer
 
@@ -116,7 +116,7 @@ def test_interrupting_a_benchmark_in_a_notebook_returns_at_once_and_the_server_a
 
 def test_a_plot_after_an_interrupted_sweep_says_so_instead_of_drawing(capsys):
     pytest.importorskip("matplotlib")
-    from labsupport.bench.serve_plots import plot_results
+    from labsupport.bench.serving.serve_plots import plot_results
     run = BenchResult({"request_rate": 1.0}, summarize([made(10, 50, 4)], 1.0), [made(10, 50, 4)])
     assert plot_results([], title="x") is None
     assert "incomplete: 0 of its rates ran" in capsys.readouterr().out

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from labsupport.bench import serve_compare as sc
+from labsupport.bench.serving import serve_compare as sc
 
 MACHINE = {"date": "2026-12-04T20:22:00+00:00", "cpu": "AMD EPYC", "cores": 2}
 

@@ -2,8 +2,8 @@
 import pytest
 
 from labsupport import checks
-from labsupport.bench.serve_bench import benchmark
-from labsupport.bench.serve_datasets import sample_requests
+from labsupport.bench.serving.serve_bench import benchmark
+from labsupport.bench.serving.serve_datasets import sample_requests
 from labsupport.serve.api import create_app
 from labsupport.serve.background import BackgroundServer
 

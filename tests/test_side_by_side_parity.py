@@ -11,8 +11,8 @@ import math
 import pytest
 
 from labsupport.side_by_side.bench import COLUMNS, GENERATORS, BenchLoad, plot_side_by_side, side_by_side, table
-from labsupport.side_by_side.parity import KNOBS, ROWS, ParitySizes, format_table, run_parity, start_servers
-from labsupport.side_by_side.servers import vllm_status
+from labsupport.experiments.parity import KNOBS, ROWS, ParitySizes, format_table, run_parity, start_servers
+from labsupport.servers import vllm_status
 
 USABLE, WHY = vllm_status()
 

@@ -17,7 +17,7 @@ from labsupport.side_by_side import disagg
 from labsupport.side_by_side.disagg import (BLOCK_SIZE, VllmPD, check_recipe, external_hit_tokens, log_external_hits,
                                             nixl_recipe, prompt_token_sources, toy_proxy_request)
 from labsupport.side_by_side.offline import compare_tokens, greedy_tokens
-from labsupport.side_by_side.servers import vllm_status
+from labsupport.servers import vllm_status
 
 USABLE, WHY = vllm_status()
 

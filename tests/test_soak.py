@@ -2,8 +2,8 @@
 the run. (The soak itself starts three model processes and runs for minutes: ``make soak``.)"""
 import math
 
-from labsupport.bench import soak
-from labsupport.bench.soak_probes import FUZZ_MAX_TOKENS, bound_cost
+from labsupport.bench.serving import soak
+from labsupport.bench.serving.soak_probes import FUZZ_MAX_TOKENS, bound_cost
 
 
 def test_bound_cost_caps_valid_sizes_and_keeps_invalid_ones():

@@ -253,7 +253,7 @@ def test_server_streams_the_same_text_and_exports_vllms_counters(llm, ngram_llm)
 
 
 def test_bench_spec_reports_both_sweeps_and_plots():
-    from labsupport.bench.spec_bench import format_report, run
+    from labsupport.bench.lab.spec_bench import format_report, run
     from labsupport.viz.spec_charts import plot_spec
 
     report = run(ks=(2,), temperatures=(0.0,), batch_sizes=(2,), max_tokens=8, device="cpu", use_tqdm=False)
@@ -275,7 +275,7 @@ def _row(sweep, k, tok_s, repeat=False, **extra):
 
 
 def test_reading_calls_a_speed_up_only_beyond_the_repeat_of_plain_decoding():
-    from labsupport.bench.spec_bench import noise, reading
+    from labsupport.bench.lab.spec_bench import noise, reading
 
     spec = dict(drafts=5, draft_tokens=20, accepted=15, acceptance_length=4.0, acceptance_rate=0.75)
     quiet = {"max_tokens": 8, "rows": [_row("k", 0, 10), _row("k", 4, 13, **spec), _row("k", 0, 10.5, repeat=True)]}

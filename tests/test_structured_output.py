@@ -105,7 +105,7 @@ def test_bad_structured_outputs_are_refused_when_made(spec, needle):
 
 
 def test_the_structured_bench_prints_the_grammars_cost_per_step(capsys):
-    from labsupport.bench.structured_bench import main
+    from labsupport.bench.serving.structured_bench import main
     assert main(["--batch", "2", "--tokens", "6"]) == 0
     printed = capsys.readouterr().out
     assert "step, free text" in printed and "step, JSON schema" in printed

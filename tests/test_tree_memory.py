@@ -1,9 +1,9 @@
-"""``bench.tree_memory``: the peak of a process tree's memory, children included, shared pages once."""
+"""``bench.lab.tree_memory``: the peak of a process tree's memory, children included, shared pages once."""
 import subprocess
 import sys
 import time
 
-from labsupport.bench.tree_memory import TreeMemory, tree_memory
+from labsupport.bench.lab.tree_memory import TreeMemory, tree_memory
 
 HOLD = "import sys, time; b = bytearray({n}); b[::4096] = b'x' * len(b[::4096]); print('ready', flush=True); time.sleep(30)"
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from labsupport import SamplingParams
-from labsupport.bench.gpu_decode import random_decode_case as random_case
+from labsupport.bench.gpu.gpu_decode import random_decode_case as random_case
 from labsupport.engine.paged_attention import paged_decode_attention
 
 from conftest import PROMPTS

@@ -6,8 +6,8 @@
 
 ``python -m labsupport bench --help`` runs the same from the command line, at any size.
 """
-from .driver import run_workload
-from .metrics import summarize
-from .workload import BenchRequest, long_prompt_workload, poisson_workload
+from .offline.driver import run_workload
+from .summary import summarize
+from .offline.workload import BenchRequest, long_prompt_workload, poisson_workload
 
 __all__ = ["BenchRequest", "long_prompt_workload", "poisson_workload", "run_workload", "summarize"]

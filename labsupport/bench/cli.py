@@ -14,12 +14,12 @@ import sys
 
 SUBCOMMANDS = ("compare", "roofline", "profile", "serve", "course-table", "spec", "roofline-lab", "quant", "capstone",
                "serve-compare", "serve-profile", "structured", "soak")
-OWN_PARSERS = {"roofline-lab": "roofline_lab", "quant": "quant",  # chapter 09's: they parse their own flags
-               "structured": "structured_bench"}  # chapter 06's: what a structured-output grammar costs a step
+OWN_PARSERS = {"roofline-lab": "lab.roofline_lab", "quant": "lab.quant",  # chapter 09's: they parse their own flags
+               "structured": "serving.structured_bench"}  # chapter 06's: what a structured-output grammar costs a step
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import compare, profiling
+    from .offline import compare, profiling
 
     parser = argparse.ArgumentParser(prog="python -m labsupport bench",
                                      description="compare engines, measure the roofline, profile our engine")
@@ -34,25 +34,25 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--json", metavar="FILE", default=None, help="write the step breakdown")
     for p in (cmp, roof, prof):
         p.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2-135M-Instruct)")
-    from . import serve_cli  # its own --model: the served name, not a folder
+    from .serving import serve_cli  # its own --model: the served name, not a folder
     serve_cli.add_arguments(sub.add_parser("serve", help="load-test any OpenAI-compatible server over HTTP "
                                                          "(ours or vllm serve), like vllm bench serve"))
-    from . import course_table
+    from ..experiments import course_table  # the CLI is the one bench module that reaches up: it names them all
     course_table.add_arguments(sub.add_parser("course-table", help="every chapter's server on one workload, one "
                                                                     "client, one price: what each chapter bought"))
-    from . import spec_bench
+    from .lab import spec_bench
     spec_bench.add_arguments(sub.add_parser("spec", help="speculative decoding: acceptance and speed-up against k, "
                                                          "temperature, traffic and batch size"))
-    from . import capstone
+    from ..experiments import capstone
     capstone.add_arguments(sub.add_parser("capstone", help="the course engine with every technique, each one off, "
                                                            "transformers serve and vLLM on five traffics: a decision"))
-    from . import serve_compare
+    from .serving import serve_compare
     serve_compare.add_arguments(sub.add_parser("serve-compare", help="our server and vllm serve, one after the other, "
                                                                      "under vllm bench serve, guidellm and the openai SDK"))
-    from . import serve_profile
+    from .serving import serve_profile
     serve_profile.add_arguments(sub.add_parser("serve-profile", help="where our server's time goes at 64 streams "
                                                                      "(py-spy over every thread, thread vs process)"))
-    from . import soak
+    from .serving import soak
     soak.add_arguments(sub.add_parser("soak", help="a server and a 1P+1D router under schema fuzzing, hang-ups, "
                                                    "unread streams, a 4 MB /tokenize and a frozen worker, against "
                                                    "issue 41's targets (a few minutes)"))
@@ -64,43 +64,43 @@ def main(argv: list[str]) -> int:
         import importlib
         return importlib.import_module(f".{OWN_PARSERS[argv[0]]}", __package__).main(argv[1:]) or 0
     args = build_parser().parse_args(argv)
-    from .roofline import warn_if_busy
+    from .lab.roofline import warn_if_busy
     try:
         if args.subcommand == "course-table":  # records the busy check in its JSON
-            from .course_table import main as table_main
+            from ..experiments.course_table import main as table_main
             return table_main(args)
         if args.subcommand == "capstone":  # records the busy check (at its start) in its JSON
-            from .capstone import main as capstone_main
+            from ..experiments.capstone import main as capstone_main
             return capstone_main(args)
         if args.subcommand == "serve-profile":
             warn_if_busy()
-            from .serve_profile import main as serve_profile_main
+            from .serving.serve_profile import main as serve_profile_main
             return serve_profile_main(args)
         if args.subcommand == "serve-compare":
             warn_if_busy()
-            from .serve_compare import main as serve_compare_main
+            from .serving.serve_compare import main as serve_compare_main
             return serve_compare_main(args)
         if args.subcommand == "soak":  # pass/fail figures, not timings: no busy check
-            from .soak import main as soak_main
+            from .serving.soak import main as soak_main
             return soak_main(args)
         if args.subcommand == "serve":  # the server under test shares the machine: no busy check
-            from .serve_cli import main as serve_main
+            from .serving.serve_cli import main as serve_main
             return serve_main(args)
         if args.subcommand != "compare":  # compare checks, and records it in its JSON
             warn_if_busy()
         if args.subcommand == "spec":
-            from .spec_bench import main as spec_main
+            from .lab.spec_bench import main as spec_main
             return spec_main(args)
         if args.subcommand == "compare":
-            from .compare import main as compare_main
+            from .offline.compare import main as compare_main
             return compare_main(args, ["bench", *argv])
         if args.subcommand == "profile":
-            from .profiling import main as profile_main
+            from .offline.profiling import main as profile_main
             return profile_main(args)
         import json
 
         from ..models.loader import resolve_model_path
-        from .roofline import format_roofline, measure
+        from .lab.roofline import format_roofline, measure
         roof = measure(resolve_model_path(args.model), quick=args.quick)
         print(format_roofline(roof))
         if args.json:

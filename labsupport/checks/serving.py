@@ -3,7 +3,7 @@
 Goodput is the rate of requests that succeeded *and* met every latency target (SLO) given:
 ``slo`` maps ``"ttft"``, ``"tpot"``, ``"e2el"`` to milliseconds, while a ``RequestResult``
 holds seconds. The check compares the attendee's function with the reference
-(``labsupport.bench.serve_bench.goodput``) on hand-made results, each built to catch one
+(``labsupport.bench.serving.serve_bench.goodput``) on hand-made results, each built to catch one
 mistake (a failed request counted, ``any`` instead of ``all``, seconds compared with
 milliseconds, a one-token answer's TPOT divided by zero, an SLO key that is not there, the
 boundary, an empty run), then on real benchmark runs at SLOs set between measured values.
@@ -15,8 +15,8 @@ import math
 import threading
 import time
 
-from ..bench.serve_bench import RequestResult
-from ..bench.serve_bench import goodput as reference_goodput
+from ..bench.serving.serve_bench import RequestResult
+from ..bench.serving.serve_bench import goodput as reference_goodput
 from ..serve.request_stream import EngineUnavailableError
 from .base import CheckFailed, passed
 

@@ -268,7 +268,7 @@ def _assemble(folder: Path, cfg: "ModelConfig", device: torch.device, dtype: tor
 
 # ------------------------------------------------------------------ random weights: timing without a checkpoint
 
-# ``LLM(model="random:<name>")``: one of these shapes with random weights (``python -m labsupport.bench.gpu_check``)
+# ``LLM(model="random:<name>")``: one of these shapes with random weights (``python -m labsupport.bench.gpu.gpu_check``)
 RANDOM_MODELS = {
     "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                                 num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,

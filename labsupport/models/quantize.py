@@ -9,7 +9,7 @@ bytes than in float32; the activations stay in floating point ("weight-only").
   are coarse, so each group gets its own range: asymmetric fits the group's min..max, symmetric
   (zero = 0) fits -absmax..absmax and wastes levels on one side.
 
-Defaults measured on SmolLM2-135M-Instruct (``python -m labsupport.bench.quant``): asymmetric beats
+Defaults measured on SmolLM2-135M-Instruct (``python -m labsupport.bench.lab.quant``): asymmetric beats
 symmetric, group 32 beats 64 (128 does not divide its 576-wide rows). Part of that lead is particular
 to this model: its weights were dequantized from a Q4_1 GGUF file (blocks of 32 inputs with a scale
 and a minimum), a grid group 32 re-finds almost exactly (0.5 % error per matrix, 8 % with group 64).

@@ -200,6 +200,6 @@ def start_engine_core(options: dict, args):
     """``python -m labsupport serve``'s engine: a core process for these engine options (raises
     ``EngineCoreStartError``; ``bad_option`` for a ValueError the CLI reports with exit code 2)."""
     from .core_client import EngineCoreClient
-    from .result_cache import ResultCache
+    from ..result_cache import ResultCache
     cache = ResultCache() if args.enable_result_cache else None
     return EngineCoreClient(options, args.served_model_name, args.max_waiting_requests, result_cache=cache)

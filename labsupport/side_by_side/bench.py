@@ -17,18 +17,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import procs
-from ..bench.serve_bench import COMPLETIONS, benchmark
-from ..bench.serve_datasets import load_tokenizer, sample_requests
+from ..bench.serving.serve_bench import COMPLETIONS, benchmark
+from ..bench.serving.serve_datasets import load_tokenizer, sample_requests
 from ..pd.cluster import stop_all
-from .parity import ParitySizes, format_table, start_servers
-from .servers import VllmServer, vllm_bin
+from ..experiments.parity import ParitySizes, format_table, start_servers
+from ..servers import VllmServer, client_env, vllm_bin
 
 COLUMNS = ["server", "load generator", "completed", "failed", "total_output_tokens", "output_throughput",
            "request_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_itl_ms", "request_goodput",
@@ -90,16 +89,6 @@ def run_vllm_bench(url: str, load: BenchLoad, tokenizer_folder, model: str = "sm
         if proc.returncode != 0 or not saved.exists():
             raise RuntimeError(f"vllm bench serve failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
         return json.loads(saved.read_text())
-
-
-def client_env() -> dict:
-    """``vllm bench serve`` starts no engine, but imports vLLM: VLLM_TARGET_DEVICE=cpu keeps it on the CPU
-    platform (the metadata ``make vllm`` writes lacks the "+cpu" vLLM looks for; without it an AVX2-only
-    CPU dies on AVX-512 kernels), one thread keeps it off the servers' cores, and nothing goes online."""
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
-    env.pop("PYTHONPATH", None)
-    return env
 
 
 def row(server: str, generator: str, summary: dict) -> dict:

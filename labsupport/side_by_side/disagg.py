@@ -34,7 +34,7 @@ import httpx
 
 from .. import procs
 from ..pd.cluster import Router, start_all, stop_all
-from .servers import VllmServer, vllm_bin, vllm_status
+from ..servers import VllmServer, vllm_bin, vllm_status
 
 BLOCK_SIZE = 32  # CPU attention: a multiple of 32; small enough that a 100-token prompt fills 3 blocks
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")  # vllm:prompt_tokens_by_source

@@ -1,7 +1,7 @@
 """vLLM's offline ``LLM`` on the same token ids as our engine: do both pick the same greedy tokens?
 
 vLLM lives in ``.venv-vllm`` with its own torch, so it runs as a subprocess of that venv's Python:
-``bench/vllm_worker.py`` in its greedy mode, a real script file (vLLM spawns its engine core,
+``bench/offline/vllm_worker.py`` in its greedy mode, a real script file (vLLM spawns its engine core,
 which re-imports the main module: a script piped on stdin fails). Token ids go in and come out as
 JSON, so no tokenizer stands between the two engines. Settings as for the chapter's servers:
 fp32 (bf16 gave garbage for this model on CPU), eager, block size 32, the CPU environment of
@@ -23,9 +23,9 @@ import tempfile
 from pathlib import Path
 
 from .. import procs
-from ..bench.vllm_runner import WORKER, cpu_env, default_python
+from ..bench.offline.vllm_runner import WORKER, cpu_env, default_python
 from ..pd.cluster import _cpu_list
-from .servers import vllm_status
+from ..servers import vllm_status
 
 
 def greedy_tokens(folder, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = True, cpus: str | None = None,

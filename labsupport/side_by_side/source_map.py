@@ -120,8 +120,8 @@ MECHANISMS = [dict(zip(("mechanism", "chapter", "ours", "vllm", "differs"), (m, 
      "the same bearer-token check"),
     ("Prometheus metrics", "06", "serve/metrics.py:ServerMetrics", "v1/metrics/loggers.py:PrometheusStatLogger",
      "ours exposes vLLM's metric names, under labsupport: instead of vllm:"),
-    ("Serving benchmark and goodput", "06", "bench/serve_bench.py:run_benchmark bench/serve_bench.py:goodput "
-     "bench/serve_datasets.py:sample_requests",
+    ("Serving benchmark and goodput", "06", "bench/serving/serve_bench.py:run_benchmark bench/serving/serve_bench.py:goodput "
+     "bench/serving/serve_datasets.py:sample_requests",
      "benchmarks/serve.py:benchmark benchmarks/serve.py:calculate_metrics benchmarks/datasets/datasets.py:RandomDataset "
      "entrypoints/cli/benchmark/serve.py:BenchmarkServingSubcommand",
      "the same metrics (TTFT, TPOT, ITL, E2EL, goodput); `vllm bench serve` drives either server"),

@@ -1,4 +1,4 @@
-"""Chapter 09's roofline pictures, drawn from ``bench.roofline_lab.roofline_report``'s dict.
+"""Chapter 09's roofline pictures, drawn from ``bench.lab.roofline_lab.roofline_report``'s dict.
 
 ``plot_roofline``: where each measured step sits (log-log: attainable FLOP/s against FLOPs per
 byte), under this machine's two roofs and, for scale, the H200's. The vertical gap between a

@@ -1,6 +1,6 @@
 """Pictures of speculative decoding: how many tokens a verified step yields, and what that buys.
 
-Drawn from ``labsupport.bench.spec_bench.run``'s report: acceptance length and speed-up against the
+Drawn from ``labsupport.bench.lab.spec_bench.run``'s report: acceptance length and speed-up against the
 number of guesses k, one line per traffic and temperature (one user at a time), and speed-up against
 the batch size, where a verify step stops being almost free. Figures are closed in pyplot after
 drawing, so a notebook shows each once.

@@ -1,0 +1,339 @@
+"""Capstone: the whole course engine against transformers and vLLM on five kinds of traffic, read as a decision.
+
+Each column is a server started on this machine and driven over HTTP by ``bench serve``'s client, one at a
+time, with the same requests (chapter 06's load generator, ``serve_datasets``):
+
+* ``all``: our engine with every technique of the course on (paged KV, continuous batching, prefix caching,
+  chunked prefill, n-gram speculative decoding, int8 weights);
+* ``all - X``: the same with one technique off, for each X: what X buys is ``all`` against ``all - X``;
+* ``transformers serve --continuous-batching`` (Hugging Face's own OpenAI server, its faster mode under
+  concurrent load on this machine: 15 against 9 tokens/s for 4 users) and ``vllm serve``, both fp32.
+
+Each row is a kind of traffic, with the metric its users feel (``Traffic.headline``): short chat (capacity:
+output tokens/s, hence $ per million tokens), long-document RAG (long unique prompts among chats, Poisson:
+SLO attainment: the long prompts' TTFT and the TPOT of everyone decoding beside them), a shared system
+prompt (capacity), bursty load (gamma arrivals: SLO attainment) and long reasoning outputs (few users,
+long worked answers: the time to the whole answer, P50). The decision table says, per traffic,
+which techniques pay, which cost, and which do nothing measurable; the full table keeps throughput, TTFT,
+TPOT and tails side by side, because they pull against each other.
+
+Every cell is one run, so a difference is called only beyond the run's own noise (``noise``): ``all`` is
+measured twice, first and last (``all (again)``), and where the prefix cache had nothing to reuse,
+``all - prefix caching`` does the same work as ``all`` too. The largest ratio between two measurements of the
+same work, on any traffic, is the threshold (never under ``FLOOR``). Ours against transformers and vLLM is
+``all`` against each, one run each, read with the same threshold.
+
+    python -m labsupport bench capstone --json labsupport/data/capstone_cpu.json --plot benchmarks/capstone.png
+
+``transformers serve`` has no ``ignore_eos``: its requests may stop early, and its rates count the tokens it
+sent. Everything else is forced to each request's length. One price ($/hour) for the machine, every column.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+
+from ..bench.offline.compare import DRIFT
+
+TECHNIQUES = {  # name -> the serve flags that turn it OFF (from ``all``)
+    "continuous batching": ("scheduling_policy", "static"),
+    "prefix caching": ("enable_prefix_caching", False),
+    "chunked prefill": ("enable_chunked_prefill", False),
+    "speculative decoding": ("speculative", False),
+    "int8 weights": ("quantization", None),
+}
+ALL = dict(scheduling_policy="continuous", enable_prefix_caching=True, enable_chunked_prefill=True,
+           speculative=True, quantization="int8")
+AGAIN = "all (again)"  # ``all`` once more, after every other server: how far two runs of the same work differ
+FLOOR = DRIFT  # never call a difference under it, however quiet the run's own repeat was
+
+
+@dataclass(frozen=True)
+class Traffic:
+    name: str
+    dataset: str  # serve_datasets: random, shared-prefix, long-short; or "reasoning" (REASONING's questions)
+    num_requests: int
+    input_len: int
+    output_len: int
+    rate: float = math.inf  # requests/s; inf: all at once (capacity)
+    burstiness: float = 1.0
+    prefix_len: int = 0
+    long_input_len: int = 0
+    num_long: int = 0
+    headline: str = "output_tok_s"  # the metric its users feel (load_run's keys); higher is better except *_ms
+    ttft_ms: float = 3000.0  # the SLO
+    tpot_ms: float = 250.0
+    why: str = ""
+
+
+REASONING = [  # questions whose answers are long worked solutions (a reasoning model's traffic, small)
+    "A train leaves at 3 pm and travels at 60 km/h for 2.5 hours, then at 80 km/h for 1.5 hours. How far does "
+    "it travel in total? Think step by step and show every calculation.",
+    "A shop sells pens at 3 for $2 and notebooks at $4 each. Ana buys 12 pens and 5 notebooks and pays with a "
+    "$50 note. How much change does she get? Reason step by step.",
+    "Prove that the sum of two odd numbers is even. Explain each step of the proof carefully.",
+    "A rectangle has a perimeter of 36 cm and its length is twice its width. Find its area. Work through it "
+    "step by step, checking the answer at the end.",
+]
+
+
+def traffics(scale: float = 1.0) -> list[Traffic]:
+    """The five kinds of traffic, sized for about 2 minutes a server on 2 CPU cores, each within this
+    machine's capacity so that the SLOs mean something (``scale`` multiplies the request counts: 0.25 for a
+    quick look, 4 or more on a GPU)."""
+    n = lambda k: max(2, round(k * scale))  # noqa: E731
+    return [
+        Traffic("short chat", "random", n(16), 64, 32, why="many short turns at once: capacity, so $/Mtok"),
+        Traffic("long-document RAG", "long-short", n(10), 48, 24, rate=0.75, long_input_len=512, num_long=max(1, n(2)),
+                headline="slo_attainment", ttft_ms=4000, tpot_ms=300,
+                why="long unique prompts among chats: their prefills stall the others' decoding"),
+        Traffic("shared system prompt", "shared-prefix", n(16), 32, 24, prefix_len=384,
+                why="one long system prompt before every question: recomputed or shared"),
+        Traffic("bursty load", "random", n(24), 64, 16, rate=1.5, burstiness=0.3, headline="slo_attainment",
+                ttft_ms=2000, tpot_ms=300, why="gamma arrivals of shape 0.3 at 1.5 req/s: queues form and drain"),
+        Traffic("long reasoning", "reasoning", n(4), 0, 256, headline="e2el_p50_ms",
+                why="few users, long worked answers: decode dominates; users wait for the whole answer"),
+    ]
+
+
+def columns() -> list[dict]:
+    """Servers to measure: ours with everything, ours with each technique off, transformers, vLLM."""
+    cols = [{"name": "all", "kind": "ours", "config": dict(ALL)}]
+    for tech, (key, off) in TECHNIQUES.items():
+        cols.append({"name": f"all - {tech}", "kind": "ours", "config": {**ALL, key: off}, "without": tech})
+    cols.append({"name": "transformers serve", "kind": "transformers", "config": {"continuous_batching": True}})
+    cols.append({"name": "vllm serve", "kind": "vllm", "config": {}})
+    cols.append({"name": AGAIN, "kind": "ours", "config": dict(ALL), "repeat_of": "all"})
+    return cols
+
+
+@dataclass(frozen=True)
+class Sizes:
+    max_num_seqs: int = 16
+    block_size: int = 32
+    kv_tokens: int = 8192
+    max_model_len: int = 1024
+    chunk_tokens: int = 128  # max_num_batched_tokens with chunked prefill (ours and vLLM)
+    spec_k: int = 4
+
+
+def server_args(col: dict, s: Sizes, kv_bytes_per_token: int) -> list[str]:
+    """``serve`` / ``vllm serve`` flags of a column."""
+    if col["kind"] == "vllm":
+        return ["--block-size", str(s.block_size), "--num-gpu-blocks-override", str(s.kv_tokens // s.block_size + 1),
+                "--max-num-seqs", str(s.max_num_seqs), "--enable-prefix-caching", "--enable-chunked-prefill",
+                "--max-num-batched-tokens", str(s.chunk_tokens)]
+    if col["kind"] == "transformers":
+        return ["--continuous-batching"] if col["config"].get("continuous_batching") else []
+    c = col["config"]
+    args = ["--kv-cache", "paged", "--scheduling-policy", c["scheduling_policy"], "--max-num-seqs", str(s.max_num_seqs),
+            "--max-model-len", str(s.max_model_len), "--block-size", str(s.block_size),
+            "--kv-cache-memory-bytes", str(s.kv_tokens * kv_bytes_per_token),
+            "--enable-prefix-caching" if c["enable_prefix_caching"] else "--no-enable-prefix-caching"]
+    # without chunking, a step still has a budget: it must hold the longest prompt whole
+    args += ["--max-num-batched-tokens", str(s.chunk_tokens if c["enable_chunked_prefill"] else s.max_model_len)]
+    args.append("--enable-chunked-prefill" if c["enable_chunked_prefill"] else "--no-enable-chunked-prefill")
+    if c["speculative"]:
+        args += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": s.spec_k,
+                                                     "prompt_lookup_max": 4, "prompt_lookup_min": 2})]
+    if c["quantization"]:
+        args += ["--quantization", c["quantization"]]
+    return args
+
+
+def requests_of(t: Traffic, tokenizer, seed: int = 0):
+    from ..bench.serving.serve_datasets import SampleRequest, sample_requests
+    if t.dataset == "reasoning":
+        texts = [REASONING[i % len(REASONING)] for i in range(t.num_requests)]
+        return [SampleRequest(x, len(tokenizer.encode(x, add_special_tokens=False)), t.output_len) for x in texts]
+    return sample_requests(tokenizer, t.dataset, t.num_requests, t.input_len, t.output_len, range_ratio=0.25,
+                           prefix_len=t.prefix_len, num_long=t.num_long, long_input_len=t.long_input_len, seed=seed)
+
+
+def start(col: dict, s: Sizes, folder: str, kv_bytes_per_token: int):
+    """Start a column's server; return (process, base URL, the model name requests carry)."""
+    from ..pd.cluster import Worker, start_all
+    from ..servers import TransformersServer, VllmServer
+    args = server_args(col, s, kv_bytes_per_token)
+    if col["kind"] == "vllm":
+        w = VllmServer(folder, args=args, max_model_len=s.max_model_len, kv_space_gib=1)
+        start_all([w], 300)
+        return w, w.url, w.served_name
+    if col["kind"] == "transformers":
+        w = TransformersServer(folder, continuous_batching=bool(col["config"].get("continuous_batching")))
+        start_all([w], 300)
+        return w, w.url, folder
+    w = start_all([Worker(None, None, model=folder, args=[*args, "--served-model-name", "smol"])])[0]
+    return w, w.url, "smol"
+
+
+def measure_column(col: dict, loads: list, s: Sizes, folder: str, kv_bytes_per_token: int, usd_per_hour: float,
+                   progress=None) -> dict:
+    """Start the column, warm it on an unrelated prompt, run every traffic through it, stop it."""
+    import httpx
+
+    from ..pd.cluster import stop_all
+    from .course_table import load_run
+    t0 = time.perf_counter()
+    out = {**col, "args": server_args(col, s, kv_bytes_per_token), "traffic": {}}
+    proc, url, model = start(col, s, folder, kv_bytes_per_token)
+    try:
+        httpx.post(url + "/v1/chat/completions", timeout=600, json={
+            "model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}).raise_for_status()
+        for t, requests in loads:
+            out["traffic"][t.name] = load_run(url, url, model, requests, t.rate, t.burstiness, t, usd_per_hour,
+                                              seed=1, ignore_eos=col["kind"] != "transformers")
+            if progress is not None:
+                progress.update(1)
+    finally:
+        stop_all([proc])
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def _better(metric: str, on: float, off: float) -> float:
+    """How many times better ``on`` is than ``off`` for this metric (> 1: better); nan when either is missing."""
+    if on is None or off is None or not (on == on and off == off) or min(on, off) <= 0:
+        return math.nan
+    return off / on if metric.endswith("_ms") else on / off
+
+
+def _cells(result: dict):
+    cols = {c["name"]: c for c in result["columns"] if "traffic" in c}
+    return lambda col, traffic: cols.get(col, {}).get("traffic", {}).get(traffic, {})
+
+
+def noise(result: dict) -> dict:
+    """How far two measurements of the same work differ in this run: ``all`` against ``all (again)`` on every
+    traffic, and ``all`` against ``all - prefix caching`` where the prefix cache had nothing to reuse (hit rate 0:
+    the same steps). ``largest``: the biggest ratio either way (1.0 when no pair was measured); ``threshold``: the
+    ratio a difference must exceed to be called, ``max(largest, 1 + floor)``."""
+    cell, pairs = _cells(result), []
+    for t in result["traffics"]:
+        name, metric = t["name"], t["headline"]
+        candidates = [(AGAIN, "all measured again")]
+        if cell("all", name).get("prefix_cache_hit_rate") == 0:
+            candidates.append(("all - prefix caching", "prefix cache idle: the same work"))
+        for other, why in candidates:
+            x = _better(metric, cell("all", name).get(metric), cell(other, name).get(metric))
+            if x == x:
+                pairs.append({"traffic": name, "against": other, "why": why, "x": x})
+    largest = max((max(p["x"], 1 / p["x"]) for p in pairs), default=1.0)
+    floor = result.get("floor", FLOOR)
+    return {"pairs": pairs, "largest": largest, "floor": floor, "threshold": max(largest, 1 + floor)}
+
+
+def _verdict(x: float, threshold: float, better: str, worse: str) -> str:
+    return "?" if x != x else better if x > threshold else worse if x < 1 / threshold else "~"
+
+
+def decision(result: dict) -> list[dict]:
+    """Per traffic: what each technique does to its headline (``all`` vs ``all - X``), and ``all`` against
+    transformers and vLLM; a verdict only beyond the run's noise (``noise``)."""
+    cell, threshold = _cells(result), noise(result)["threshold"]
+    rows = []
+    for t in result["traffics"]:
+        name, metric = t["name"], t["headline"]
+        row = {"traffic": name, "headline": metric, "all": cell("all", name).get(metric), "techniques": {}}
+        for tech in TECHNIQUES:
+            x = _better(metric, cell("all", name).get(metric), cell(f"all - {tech}", name).get(metric))
+            verdict = _verdict(x, threshold, "pays", "costs")
+            if tech == "prefix caching" and cell("all", name).get("prefix_cache_hit_rate") == 0:
+                verdict = "idle"  # nothing shared: whatever moved is noise, not the cache
+            row["techniques"][tech] = {"x": x, "verdict": verdict}
+        for other in ("transformers serve", "vllm serve"):
+            key = other.split()[0]
+            x = _better(metric, cell("all", name).get(metric), cell(other, name).get(metric))
+            row[f"ours_vs_{key}"] = {"x": x, "verdict": _verdict(x, threshold, "ahead", "behind")}
+            row[f"usd_per_mtok_{key}"] = cell(other, name).get("usd_per_mtok")
+        row["usd_per_mtok_all"] = cell("all", name).get("usd_per_mtok")
+        rows.append(row)
+    return rows
+
+
+def run(sizes: Sizes = Sizes(), scale: float = 1.0, which: tuple | None = None, usd_per_hour: float = 0.10,
+        progress: bool = True, only: tuple | None = None) -> dict:
+    """Measure the chosen columns (default: all that can run here) over the five traffics (``only``: those
+    named); a JSON-able dict."""
+    from tqdm.auto import tqdm
+
+    from ..models.loader import resolve_model_path
+    from ..servers import vllm_status
+    from ..bench.offline.compare import machine
+    from ..bench.lab.roofline import model_facts, other_runnable
+    from ..bench.serving.serve_datasets import load_tokenizer
+    folder = str(resolve_model_path(None))
+    kv_per_token = model_facts(folder)["kv_bytes_per_token"]
+    tok = load_tokenizer(None)
+    ts = [t for t in traffics(scale) if only is None or t.name in only]
+    if not ts:
+        raise ValueError(f"no traffic named {only}: choose from {[t.name for t in traffics()]}")
+    loads = [(t, requests_of(t, tok, seed=i)) for i, t in enumerate(ts)]
+    vllm_ok, why = vllm_status()
+    chosen = [c for c in columns() if which is None or c["name"] in which]
+    t0, busy, measured = time.perf_counter(), other_runnable(), []
+    bar = tqdm(total=len(chosen) * len(ts), desc="capstone", unit="run", disable=not progress)
+    for col in chosen:
+        bar.set_postfix_str(col["name"])
+        if col["kind"] == "vllm" and not vllm_ok:
+            measured.append({**col, "skipped": why})
+            bar.update(len(ts))
+            continue
+        measured.append(measure_column(col, loads, sizes, folder, kv_per_token, usd_per_hour, bar))
+    bar.close()
+    result = {"date": time.strftime("%Y-%m-%d"), "machine": {**machine(), "other_runnable_threads_at_start": busy},
+              "model": os.path.basename(folder), "usd_per_hour": usd_per_hour, "sizes": asdict(sizes), "scale": scale,
+              "floor": FLOOR, "traffics": [asdict(t) | {"requests": len(r), "output_tokens": sum(q.output_len
+                                                                                                     for q in r),
+                                                            "prompt_tokens_mean": sum(q.prompt_len for q in r) / len(r)}
+                                               for t, r in loads],
+              "columns": measured, "seconds": time.perf_counter() - t0}
+    return read(result)
+
+
+def read(result: dict) -> dict:
+    """A run with its noise and decision (re)computed from the measurements, whatever rule it was saved with."""
+    return {**result, "noise": noise(result), "decision": decision(result)}
+
+
+def load(path=None) -> dict:
+    """The saved run (package data) or a JSON file written by ``--json``, read with today's rule (``read``)."""
+    if path is None:
+        from ..data import text
+        return read(json.loads(text("capstone_cpu.json")))
+    with open(path) as f:
+        return read(json.load(f))
+
+
+def add_arguments(p: argparse.ArgumentParser):
+    p.add_argument("--scale", type=float, default=1.0, help="multiplies every traffic's request count")
+    p.add_argument("--quick", action="store_true", help="scale 0.15, columns all, all - speculative decoding, "
+                                                        "transformers serve, all (again) (tests)")
+    p.add_argument("--columns", default=None, help="comma-separated column names (default: every one)")
+    p.add_argument("--usd-per-hour", type=float, default=0.10, help="the machine's price (default 0.10: a 2-vCPU VM)")
+    p.add_argument("--json", metavar="FILE", default=None)
+    p.add_argument("--plot", metavar="FILE.png", default=None)
+
+
+def main(args) -> int:
+    from ..viz.capstone_plot import format_decision, format_full, plot_capstone
+    which = tuple(args.columns.split(",")) if args.columns else None
+    scale = args.scale
+    if args.quick:
+        which, scale = which or ("all", "all - speculative decoding", "transformers serve", AGAIN), 0.15
+    known = {c["name"] for c in columns()}
+    if which and set(which) - known:
+        raise ValueError(f"unknown columns {sorted(set(which) - known)}: choose from {', '.join(sorted(known))}")
+    r = run(Sizes(), scale, which, args.usd_per_hour)
+    print(format_full(r))
+    print()
+    print(format_decision(r))
+    print(f"{len(r['columns'])} servers x {len(r['traffics'])} traffics in {r['seconds']:.0f} s")
+    from ..bench.summary import save_run
+    save_run(r, args.json, args.plot, plot_capstone)
+    failed = [c["name"] for c in r["columns"] for x in c.get("traffic", {}).values() if x["completed"] < x["requests"]]
+    return 1 if failed else 0

@@ -1,0 +1,196 @@
+"""The course table ("what each chapter bought") as the notebooks and decks show it.
+
+``labsupport.experiments.course_table`` measures it (``python -m labsupport bench course-table``) and saves it
+as package data; this module only reads that run and draws it: a table of rows 00 .. the chapter (later
+chapters left out, this chapter's row highlighted) with a caption saying when, where and at what price
+it was measured, and a plot of cost per million output tokens beside goodput under bursty load.
+"""
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+
+import numpy as np
+
+SAVED = "course_table_cpu.json"  # package data: the real run the notebooks show
+
+
+def _fmt(v, spec=".2f", none="-"):
+    return none if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def _neighbour(r: dict) -> str:
+    share = r.get("neighbour_cpu_share") or 0.0
+    return f" [other processes took {100 * share:.0f} % of the cores meanwhile]" if share >= 0.05 else ""
+
+
+def table_rows(rows_: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Column heads and cells of the table (the same for the terminal, markdown and HTML)."""
+    head = ["ch.", "row", "tok/s", "$/Mtok", "cost vs 00", "goodput req/s", "SLO met", "TTFT P50 ms",
+            "TTFT tail ms", "queue ms", "hit rate", "note"]
+    cells = []
+    for r in rows_:
+        if "capacity" not in r:
+            cells.append([r["chapter"], r["name"]] + ["-"] * 9 + [r["note"]])
+            continue
+        c, b = r["capacity"], r.get("bursty") or r.get("poisson")
+        extra = f" (Poisson: goodput {_fmt(r['poisson']['goodput_req_s'])}, SLO met " \
+                f"{_fmt(100 * r['poisson']['slo_attainment'], '.0f')} %)" if "poisson" in r and "bursty" in r else ""
+        cells.append([r["chapter"], r["name"], _fmt(c["output_tok_s"], ".1f"), _fmt(c["usd_per_mtok"]),
+                      _fmt(r.get("cost_vs_00"), ".3f"), _fmt(b and b["goodput_req_s"]),
+                      _fmt(b and 100 * b["slo_attainment"], ".0f") + " %",
+                      _fmt(b and b["ttft_p50_ms"], ".0f"),
+                      f"{_fmt(b and b['ttft_tail_ms'], '.0f')} ({b['ttft_tail_label'] if b else '-'})",
+                      _fmt(b and b["mean_queue_time_ms"], ".0f"), _fmt(b and b["prefix_cache_hit_rate"]),
+                      r["note"] + extra + _neighbour(r)])
+    return head, cells
+
+
+def format_rows(rows_: list[dict]) -> str:
+    head, cells = table_rows(rows_)
+    return "\n".join(" | ".join(row[:-1]) + "  " + row[-1] for row in [head, *cells])
+
+
+def load(path=None) -> dict:
+    """The saved run: the package's (None), a file, or a table already loaded (a dict)."""
+    if isinstance(path, dict):
+        return path
+    if path is None:
+        from ..data import text
+        return json.loads(text(SAVED))
+    with open(path) as f:
+        return json.load(f)
+
+
+def caption(t: dict) -> str:
+    m = t["machine"]
+    return (f"Measured {t['date']} on {m['cpu']} ({m['cores']} cores, {m['device']}, torch {m['torch']}), "
+            f"{t['model']}; every row priced at ${t['usd_per_hour']:.2f}/hour; bursty load "
+            f"{t['workload']['bursty']['rate'] if 'bursty' in t['workload'] else '-'} req/s, gamma shape "
+            f"{t['sizes']['burstiness']}; SLOs TTFT <= {t['slo_ms']['ttft']:.0f} ms, "
+            f"TPOT <= {t['slo_ms']['tpot']:.0f} ms; "
+            f"tails are P99 with >= {t['min_p99_samples']} samples, else max.")
+
+
+class Table:
+    """The table up to one chapter: HTML in a notebook, markdown as text."""
+
+    def __init__(self, head, cells, chapter, caption_):
+        self.head, self.cells, self.chapter, self.caption = head, cells, chapter, caption_
+
+    @property
+    def markdown(self) -> str:
+        def line(c):
+            return "| " + " | ".join(c) + " |"
+        body = [line([f"**{x}**" for x in c] if c[0] == self.chapter else c) for c in self.cells]
+        return "\n".join([line(self.head), line(["---"] * len(self.head)), *body, "", self.caption])
+
+    def _repr_html_(self) -> str:
+        import html
+        mark = '<tr style="background:#fff3c4;font-weight:bold">'
+        tr = [mark if c[0] == self.chapter else "<tr>" for c in self.cells]
+        body = "".join(t + "".join(f"<td>{html.escape(x)}</td>" for x in c) + "</tr>" for t, c in zip(tr, self.cells))
+        heads = "".join(f"<th>{html.escape(h)}</th>" for h in self.head)
+        return (f"<table><caption style='caption-side:bottom'>{html.escape(self.caption)}</caption>"
+                f"<thead><tr>{heads}</tr></thead><tbody>{body}</tbody></table>")
+
+    __str__ = __repr__ = _repr_markdown_ = lambda self: self.markdown  # text/plain too: stable in saved notebooks
+
+
+def show_course_table(chapter: str | int, path=None) -> Table:
+    """Rows 00..``chapter`` of the saved run (later chapters left out), this chapter's highlighted."""
+    t, chapter = load(path), f"{int(chapter):02d}"
+    head, cells = table_rows([r for r in t["rows"] if r["chapter"] <= chapter])
+    return Table(head, cells, chapter, caption(t))
+
+
+def plot_course_table(chapter: str | int, ax=None, path=None):
+    """Cost per million output tokens by chapter (bars) and bursty-load goodput beside each; returns the figure."""
+    import matplotlib.pyplot as plt
+    t, chapter = load(path), f"{int(chapter):02d}"
+    rs = [r for r in t["rows"] if r["chapter"] <= chapter and "capacity" in r]
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(9, 4.2))
+    x, w = np.arange(len(rs)), 0.4
+    cost = [r["capacity"]["usd_per_mtok"] for r in rs]
+    good = [(r.get("bursty") or r.get("poisson") or {}).get("goodput_req_s", 0) for r in rs]
+    bars = ax.bar(x - w / 2, cost, w, color=["tab:red" if r["chapter"] == chapter else "tab:gray" for r in rs],
+                  label=f"\\$ per 1M output tokens (at \\${t['usd_per_hour']:.2f}/h, left, log)")
+    ax.bar_label(bars, [f"\\${c:.2f}" for c in cost], fontsize=8)
+    ax.set(yscale="log", ylabel="\\$ per 1M output tokens (log scale)", ylim=(min(cost) / 2, max(cost) * 3),
+           xticks=x, xticklabels=[r["chapter"] + "\n" + "\n".join(textwrap.wrap(r["name"], 13, break_long_words=False))
+                                  for r in rs])
+    ax.tick_params(axis="x", labelsize=8)
+    ax2 = ax.twinx()
+    ax2.bar(x + w / 2, good, w, color="tab:blue", alpha=0.7, label="goodput under bursty load (req/s, right)")
+    ax2.set(ylabel="goodput (requests/s meeting both SLOs)", ylim=(0, max(good + [0.1]) * 1.3))
+    ax.set_title("What each chapter bought: cost per token and goodput, same workload, same machine")
+    fig.legend(loc="upper center", ncol=2, fontsize=8, bbox_to_anchor=(0.5, 0.9))
+    fig.text(0.01, 0.005, "\n".join(textwrap.wrap(caption(t).replace("$", "\\$"), 170)), fontsize=6.5, color="gray")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig
+
+
+def what_it_bought(chapter: str | int, path=None) -> str:
+    """One sentence from the saved run: this chapter's row against the row before it and against row 00."""
+    t, chapter = load(path), f"{int(chapter):02d}"
+    by = {r["chapter"]: r for r in t["rows"] if "capacity" in r}
+    if chapter not in by:
+        return f"Row {chapter} was not measured in this run."
+    row = by[chapter]
+
+    def figures(r):
+        c, b = r["capacity"], r.get("bursty") or r.get("poisson") or {}
+        return (f"{c['output_tok_s']:.1f} output tokens/s, ${c['usd_per_mtok']:.2f} per million output tokens, "
+                f"goodput {b.get('goodput_req_s', math.nan):.2f} req/s with {100 * b.get('slo_attainment', math.nan):.0f} % "
+                f"of requests within both SLOs")
+
+    earlier = [c for c in by if c < chapter]
+    if not earlier:
+        return f"Row {chapter} ({row['name']}), the starting line: {figures(row)}."
+    prev, first = by[earlier[-1]], by["00"] if "00" in by else None
+    text = f"Row {chapter} ({row['name']}): {figures(row)}; row {prev['chapter']} ({prev['name']}): {figures(prev)}."
+    if first is not None and first is not prev:
+        ratio = first["capacity"]["usd_per_mtok"] / row["capacity"]["usd_per_mtok"]
+        text += f" Against row 00, a million output tokens costs {ratio:.1f}x less."
+    return text
+
+
+NOISE = 0.15  # these shared machines drift by about this much from run to run: a smaller change is not one
+
+# (run, key, label, unit, format): what what_moved compares, in the table's order
+_MOVES = [("capacity", "output_tok_s", "output", "tok/s", ".1f"), ("capacity", "usd_per_mtok", "cost", "$/Mtok", ".2f"),
+          ("bursty", "goodput_req_s", "goodput", "req/s", ".2f"), ("bursty", "slo_attainment", "SLO met", "%", ".0f"),
+          ("bursty", "ttft_p50_ms", "TTFT P50", "ms", ".0f"), ("bursty", "mean_queue_time_ms", "queueing", "ms", ".0f")]
+
+
+def what_moved(chapter: str | int, path=None, noise: float = NOISE) -> str:
+    """One markdown sentence from the saved run: this chapter's row against the row before it, metric by metric,
+    a change called a change only beyond ``noise`` (a fraction), so the words can never outrun the numbers."""
+    t, chapter = load(path), f"{int(chapter):02d}"
+    by = {r["chapter"]: r for r in t["rows"] if "capacity" in r}
+    earlier = [c for c in by if c < chapter]
+    if chapter not in by or not earlier:
+        return f"Row {chapter} has no measured row before it to compare with."
+    row, prev = by[chapter], by[earlier[-1]]
+    moved, same = [], []
+    for run, key, label, unit, spec in _MOVES:
+        a, b = ((r.get(run) or r.get("poisson") or {}).get(key) for r in (prev, row))
+        if a is None or b is None:
+            continue
+        scale = 100 if unit == "%" else 1
+        a_, b_ = format(scale * a, spec), format(scale * b, spec)
+        text = (f"{label} ${a_} → ${b_} per million output tokens" if unit == "$/Mtok"
+                else f"{label} {a_} → {b_} {unit}")
+        if a_ == b_:
+            same.append(f"{text} (the same)")
+        elif a != 0 and abs(b / a - 1) <= noise:
+            same.append(f"{text} ({100 * (b / a - 1):+.0f} %)")
+        elif float(a_) and float(b_):
+            moved.append(f"{text} ({max(a, b) / min(a, b):.1f}× {'higher' if b > a else 'lower'})")
+        else:  # from or to (about) zero: no ratio to give
+            moved.append(text)
+    told = f"Row {chapter} ({row['name']}) against row {prev['chapter']} ({prev['name']}), saved run of {t['date']}: "
+    told += ("beyond this machine's ±" + f"{100 * noise:.0f} % run-to-run noise, " + "; ".join(moved) if moved
+             else f"nothing moved beyond this machine's ±{100 * noise:.0f} % run-to-run noise")
+    return told + (f"; within it: {'; '.join(same)}." if same else ".")
