@@ -3,8 +3,8 @@ split two ways, SLO cells and the crossover verdict, and 1P+1D's TTFT taken apar
 ``/pd/timeline`` records."""
 import pytest
 
-from labsupport.bench.serve_bench import BenchResult, RequestResult
-from labsupport.pd import experiments as pdx
+from labsupport.bench.serving.serve_bench import BenchResult, RequestResult
+from labsupport.experiments import disaggregation as pdx
 
 
 def flag(args, name):

@@ -215,7 +215,7 @@ def test_task_set_is_well_formed():
 
 
 def test_a_short_run_asks_every_kind_and_saved_rows_are_recounted_by_kind():
-    from labsupport.bench.quant import format_categories, group_counts, load_tasks, select_tasks
+    from labsupport.bench.lab.quant import format_categories, group_counts, load_tasks, select_tasks
 
     tasks = load_tasks()
     short = select_tasks(tasks, 6)
