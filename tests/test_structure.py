@@ -72,3 +72,11 @@ def test_every_cpp_source_is_package_data():
     shipped = {p for pattern in patterns for p in kernels.glob(pattern)}
     assert set((kernels / "csrc").iterdir()) <= shipped
     assert {p.suffix for p in shipped} == {".cpp", ".h"}
+
+
+def test_the_test_tiers_name_only_files_that_exist():
+    """conftest.py orders a run by tier from two lists of file names: a renamed file would silently fall to tier 1."""
+    import conftest
+    here = {p.name for p in Path(__file__).parent.glob("test_*.py")}
+    assert conftest.MODEL_FREE <= here and conftest.SERVERS <= here, (conftest.MODEL_FREE | conftest.SERVERS) - here
+    assert not conftest.MODEL_FREE & conftest.SERVERS
