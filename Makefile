@@ -12,7 +12,7 @@ NBVAL  := --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cel
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: lab test test-vllm setup model unit claims nbval soak slides slides-deps browser-deps exercises execute clean \
-	gpu-check vllm vllm-env gpu-bundle gpu-course gpu-rehearsal clients serve-compare
+	unit-quick gpu-check vllm vllm-env gpu-bundle gpu-course gpu-rehearsal clients serve-compare
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,11 @@ UNIT_WORKERS ?= 2
 UNIT_THREADS := $(if $(filter 0,$(UNIT_WORKERS)),,OMP_NUM_THREADS=1)
 unit: model
 	$(UNIT_THREADS) $(BIN)/python -m pytest -q --durations=30 -n $(UNIT_WORKERS) --dist loadfile -m "not vllm_serve" tests
+
+# The quick loop while editing: the model-free tests, then the engine tests, without those marked `slow`
+# (tests/conftest.py marks every test that starts a server or a process slow, and orders every run by tier).
+unit-quick: model
+	$(UNIT_THREADS) $(BIN)/python -m pytest -q -x --durations=10 -n $(UNIT_WORKERS) --dist loadfile -m "not slow and not vllm_serve" tests
 
 # Every figure the prose states (notebook markdown, decks with their notes) is in its chapter's outputs
 # (labsupport/claims.py says how); `python -m labsupport.claims FILE...` checks some files only.

@@ -476,7 +476,7 @@ from labsupport.engine import block_pool  # noqa: E402
 
 
 def _seed_drawing(kind):
-    return next(seed for seed in range(100) if random.Random(seed).choice(sorted(mystery.BUGS)) == kind)
+    return next(seed for seed in range(100) if random.Random(seed).choice(mystery.BUG_KINDS) == kind)
 
 
 def _notebook_seed():
@@ -492,12 +492,25 @@ def test_reference_diagnosis_fixes_the_notebooks_planted_bug(admission_solutions
 
 
 def test_the_draw_is_seeded_and_reaches_every_bug(prefix_llm):
-    assert checks.planted_bug(prefix_llm, seed=5)._kind == checks.planted_bug(prefix_llm, seed=5)._kind
-    assert {checks.planted_bug(prefix_llm, seed=s)._kind for s in range(20)} == set(mystery.BUGS)
+    reveal = mystery.reveal
+    assert reveal(checks.planted_bug(prefix_llm, seed=5)) == reveal(checks.planted_bug(prefix_llm, seed=5))
+    assert {reveal(checks.planted_bug(prefix_llm, seed=s))[0] for s in range(20)} == set(mystery.BUG_KINDS)
+
+
+def test_a_listing_of_the_module_or_the_bug_does_not_name_the_drawn_function(prefix_llm):
+    """The hunt is read from the evidence: neither the module's source nor the planted-bug object's attributes
+    pair a kind of bug with its function or its copy (the check keeps a digest of the answer)."""
+    import inspect
+    source = inspect.getsource(mystery)
+    for kind in mystery.BUG_KINDS:
+        function = mystery.reveal(checks.planted_bug(prefix_llm, seed=_seed_drawing(kind)))[1]
+        assert not re.search(rf"{kind}.{{0,40}}{function}", source, re.DOTALL), kind
+    bug = checks.planted_bug(prefix_llm, seed=_seed_drawing("leak"))
+    assert not [v for v in vars(bug).values() if isinstance(v, str) and v in mystery.FUNCTIONS]
 
 
 def test_the_correct_copies_behave_like_the_engines_own(prefix_llm):
-    own, copies = mystery.workload(prefix_llm), mystery.workload(prefix_llm, **mystery.CORRECT)
+    own, copies = mystery.workload(prefix_llm), mystery.workload(prefix_llm, **mystery.correct_pieces())
     assert [(p.tokens, p.hits, p.cow_copies, p.free_after, p.error) for p in copies] == \
         [(p.tokens, p.hits, p.cow_copies, p.free_after, p.error) for p in own]
     assert all(p.free_after == 20 and p.error is None for p in own) and own[-1].cow_copies > 0
@@ -507,12 +520,13 @@ ENGINE_OWN = {"hold_prefix_blocks": block_pool.hold_prefix_blocks, "release_bloc
               "copy_on_write": block_pool.copy_on_write}
 
 
-@pytest.mark.parametrize("kind", sorted(mystery.BUGS))
+@pytest.mark.parametrize("kind", mystery.BUG_KINDS)
 def test_each_planted_bug_is_caught_and_only_its_fix_passes(prefix_llm, kind):
     """The bug shows in the evidence; the right name with the bug left in fails; a wrong name fails; the right
     name with a correct function (the engine's own) passes, and the engine gets its own pieces back."""
     bug = checks.planted_bug(prefix_llm, seed=_seed_drawing(kind))
-    name = bug._function
+    assert mystery.reveal(bug)[0] == kind
+    name = mystery.reveal(bug)[1]
     own, phases = mystery.workload(prefix_llm), bug.run()
     summary = [(p.tokens, p.hits, p.cow_copies, p.free_after, p.error) for p in phases]
     assert summary != [(p.tokens, p.hits, p.cow_copies, p.free_after, p.error) for p in own]

@@ -99,7 +99,7 @@ def test_a_lease_frees_blocks_nobody_pulls(prefill):
 
 def test_a_pull_after_the_lease_is_refused(prefill, decode):
     pre = hand_off(prefill)
-    time.sleep(2.2)
+    time.sleep(2.2)  # the lease running out is the behaviour under test: the 2 s lease, and a little more
     settle(prefill)
     p = pre.kv_transfer_params
     be = decode.engine.backend

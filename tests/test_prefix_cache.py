@@ -133,7 +133,7 @@ def test_result_cache_is_bounded_and_expires():
     cache = ResultCache(max_entries=2, ttl_s=0.05)
     cache.put("a", 1), cache.put("b", 2), cache.put("c", 3)
     assert len(cache) == 2 and cache.get("a") is None and cache.get("c") == 3
-    time.sleep(0.06)
+    time.sleep(0.06)  # the time to live running out is the behaviour under test
     assert cache.get("c") is None
 
 

@@ -1,4 +1,6 @@
 """The chapter 06 check (``check_goodput``) passes the notebook's reference and fails planted wrong ones."""
+import time
+
 import pytest
 
 from labsupport import checks
@@ -270,3 +272,55 @@ def test_planted_wrong_request_stream_fails_and_cleans_up(reference_streams, llm
     stats = llm.engine.stats()                                    # and the check's server is gone, its requests too
     assert stats["num_requests_running"] == stats["num_requests_waiting"] == 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def _polls_with_sleep(stream_class):
+    class PollsWithSleep(stream_class):
+        """Waits for an output by polling with time.sleep: the event loop never runs deliver's callback, so it
+        waits forever (until the check raises into its thread)."""
+
+        async def __anext__(self):
+            if not self.unfinished:
+                raise StopAsyncIteration
+            while not self._latest:
+                time.sleep(0.01)  # the mistake under test: a poll that blocks the event loop
+            return await super().__anext__()
+    return PollsWithSleep
+
+
+def _blocks_on_its_queue(stream_class):
+    import queue
+
+    class BlocksOnItsQueue(stream_class):
+        """A thread-safe queue filled by deliver's callback on the loop, read with a blocking get on the loop:
+        nothing can ever arrive (until the check puts the shutdown's error into it directly)."""
+
+        def __init__(self, abort, request_ids):
+            super().__init__(abort, request_ids)
+            self._queue = queue.Queue()
+
+        def put(self, index, item):
+            self._queue.put((index, item))
+
+        async def __anext__(self):
+            if not self.unfinished:
+                raise StopAsyncIteration
+            index, item = self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                self.unfinished.discard(index)
+            return {index: item}
+    return BlocksOnItsQueue
+
+
+@pytest.mark.parametrize("planted", [_polls_with_sleep, _blocks_on_its_queue])
+def test_a_reader_stuck_in_anext_is_freed_and_leaves_no_thread(reference_streams, llm, monkeypatch, planted):
+    import threading
+    from labsupport.checks import serving
+    monkeypatch.setattr(serving, "TOTAL_S", 6.0)  # the whole check's bound, shortened: the scene is the first
+    with pytest.raises(checks.CheckFailed, match="did not finish"):
+        checks.check_request_streams(planted(reference_streams[0]), reference_streams[1], llm)
+    assert not [t for t in threading.enumerate() if t.name == "stream-check"]  # its thread ended, not left behind
+    stats = llm.engine.stats()
+    assert stats["num_requests_running"] == stats["num_requests_waiting"] == 0

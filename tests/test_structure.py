@@ -120,3 +120,11 @@ def test_no_two_modules_share_a_basename():
             by_name.setdefault(path.stem, []).append(name)
     shared = {stem: names for stem, names in by_name.items() if len(names) > 1}
     assert not shared, f"modules with the same file name: {shared}"
+
+
+def test_the_test_tiers_name_only_files_that_exist():
+    """conftest.py orders a run by tier from two lists of file names: a renamed file would silently fall to tier 1."""
+    import conftest
+    here = {p.name for p in Path(__file__).parent.glob("test_*.py")}
+    assert conftest.MODEL_FREE <= here and conftest.SERVERS <= here, (conftest.MODEL_FREE | conftest.SERVERS) - here
+    assert not conftest.MODEL_FREE & conftest.SERVERS

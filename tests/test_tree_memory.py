@@ -4,6 +4,7 @@ import sys
 import time
 
 from labsupport.bench.lab.tree_memory import TreeMemory, tree_memory
+from waiting import wait_until
 
 HOLD = "import sys, time; b = bytearray({n}); b[::4096] = b'x' * len(b[::4096]); print('ready', flush=True); time.sleep(30)"
 
@@ -18,7 +19,7 @@ def test_the_peak_counts_children_and_a_shared_page_once(tmp_path):
             for _ in range(2)]
     try:
         assert all(k.stdout.readline().strip() == "ready" for k in kids)
-        time.sleep(0.5)
+        wait_until(lambda: memory.peak_processes >= 3 + already and memory.peak - before > 2 * (200 << 20), 20)
         memory.stop()
         assert memory.peak_processes == 3 + already
         assert memory.peak - before > 2 * (200 << 20)  # both children's private 200 MB
@@ -37,5 +38,4 @@ def test_the_sampler_ends_with_its_object():
     import threading
     TreeMemory(interval_s=0.05).start()
     gc.collect()
-    time.sleep(0.3)
-    assert not [t for t in threading.enumerate() if t.name == "tree-memory"]
+    wait_until(lambda: not [t for t in threading.enumerate() if t.name == "tree-memory"], 10)

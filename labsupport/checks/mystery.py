@@ -12,9 +12,13 @@ The draw is seeded (``planted_bug(llm, seed)``), so a notebook run is reproducib
 """
 from __future__ import annotations
 
+import base64
 import contextlib
+import hashlib
 import inspect
+import json
 import random
+import zlib
 from dataclasses import dataclass, field
 
 from . import _mystery_pieces as pieces
@@ -22,20 +26,43 @@ from .base import CheckFailed, passed
 
 FUNCTIONS = ("hold_prefix_blocks", "release_blocks", "copy_on_write")
 
-# kind -> (the function it sits in, its buggy copy, what the check says once it is found)
-BUGS = {
-    "leak": ("release_blocks", pieces.release_3,
-             "release_blocks stopped before index 0: the first block of every request was never freed"),
-    "head_first": ("release_blocks", pieces.release_2,
-                   "release_blocks freed head first: the shared prefix went back first, so it was evicted first"),
-    "lost_share": ("hold_prefix_blocks", pieces.hold_1,
-                   "hold_prefix_blocks took a live hit without sharing it: its ref count missed a holder, so the "
-                   "first request to leave freed a block the other still used"),
-    "skipped_cow": ("copy_on_write", pieces.write_2,
-                    "copy_on_write compared with <= 2: a block two samples held was written in place, each "
-                    "sample overwriting the other's KV"),
-}
-CORRECT = {"hold_prefix_blocks": pieces.hold_2, "release_blocks": pieces.release_1, "copy_on_write": pieces.write_1}
+# Which copy is correct and which carries which bug, sealed (zlib, then base64) so that a listing of this module
+# does not give the hunt away: kind -> [the function it sits in, its buggy copy in _mystery_pieces, what the
+# check says once it is found], and the correct copy of each function. ``reveal(bug)`` opens it, for the cell
+# after the check and for the tests.
+_SEALED = (
+    "eNqFksFOwzAQRH9llAuXHqDcIvgC7lxQFbnOhlhxs8HrNK1Q/5213RYqgTgkstfr8ZuxP6vt/C5Vjc+qJ9M2nQsSdfpWBfJkhJqt"
+    "ZztItcK1sv45KcvoAlGLJIEsUSP2BOlN0PIUqHMHLDRGbI0dSssKwnARixHQ3tlI573VRvVVffiH4/EXDok8TSq0pY4DwY0tHXBf"
+    "aLI4ciO40zMpHBHoYyYpFGMqFSuFgSU22UMm6dm3TfHygyZXH66jm3VE5gEG3u0JffLqYs9zzMG48V3t1/qJUnSwPGs+Oyei/AZJ"
+    "jUIO6Rv+QhsZaltFS+7m7Co1sv6C5uC8xyxnJzK4FEtjeclWLE/HhsdmCS5SYs+DcrM3a0q1m/IlJnQ8PWNdfx+3MMTsJk+iV+/b"
+    "HGLaFmnU6DF5Y2kFMrY/94E14dSRzF9p7wQvr9XmlA8PgWzMD/IWsr5A/pF1asjVX55nWrtUHqrT6Qtr/wnJ"
+)
+
+
+def _unseal() -> dict:
+    return json.loads(zlib.decompress(base64.b64decode("".join(_SEALED))))
+
+
+def _piece(name: str):
+    return getattr(pieces, name)
+
+
+BUG_KINDS = ("head_first", "leak", "lost_share", "skipped_cow")  # the four bugs' names, sorted: the draw's order
+
+
+def correct_pieces() -> dict:
+    """plug point -> the copy of it that behaves exactly like the engine's own."""
+    return {fn: _piece(name) for fn, name in _unseal()["correct"].items()}
+
+
+def planted_pieces(kind: str) -> dict:
+    """plug point -> the function the mystery engine runs with bug ``kind`` (one of ``BUG_KINDS``) planted."""
+    function, buggy, _ = _unseal()["bugs"][kind]
+    return {**correct_pieces(), function: _piece(buggy)}
+
+
+def _answer_digest(seed: int, function: str) -> str:
+    return hashlib.sha256(f"{seed}:{function}".encode()).hexdigest()
 
 
 @dataclass
@@ -100,13 +127,13 @@ def workload(llm, max_steps: int = 400, **plugged) -> list[Phase]:
 
 class PlantedBug:
     """The mystery engine: ``run()`` it, read ``source(name)`` of each function it runs, fix one. (What was
-    drawn is kept in underscored attributes: reading them is not debugging.)"""
+    drawn is kept only as a digest of the answer: neither this object nor the module's source names it.)"""
 
     def __init__(self, llm, seed: int):
         self.llm, self.seed = llm, seed
-        self._kind = random.Random(seed).choice(sorted(BUGS))
-        self._function, buggy, self._diagnosis = BUGS[self._kind]
-        self.pieces = {**CORRECT, self._function: buggy}  # plug point -> the function the mystery engine runs
+        kind = random.Random(seed).choice(BUG_KINDS)
+        self._answer = _answer_digest(seed, _unseal()["bugs"][kind][0])
+        self.pieces = planted_pieces(kind)  # plug point -> the function the mystery engine runs
 
     def run(self) -> list[Phase]:
         return workload(self.llm, **self.pieces)
@@ -117,8 +144,15 @@ class PlantedBug:
         return inspect.getsource(fn).replace(f"def {fn.__name__}(", f"def {name}(", 1)
 
 
+def reveal(bug: PlantedBug) -> tuple[str, str, str]:
+    """(kind, function, diagnosis) of the bug drawn: for the cell after the check, and for the tests."""
+    kind = random.Random(bug.seed).choice(BUG_KINDS)
+    function, _, diagnosis = _unseal()["bugs"][kind]
+    return kind, function, diagnosis
+
+
 def planted_bug(llm, seed: int = 0) -> PlantedBug:
-    """An engine with one planted bug, drawn with ``seed`` from ``BUGS``; ``llm``: a prefix-caching paged engine."""
+    """An engine with one planted bug, drawn with ``seed`` from ``BUG_KINDS``; ``llm``: a prefix-caching paged engine."""
     if llm.engine.kv.prefix_cache is None:
         raise ValueError("the planted-bug engine needs enable_prefix_caching=True")
     return PlantedBug(llm, seed)
@@ -140,7 +174,7 @@ def check_bug_fix(bug: PlantedBug, function_name: str, fixed) -> None:
     name = str(function_name).strip()
     if name not in FUNCTIONS:
         raise CheckFailed(f"name one of {FUNCTIONS}")
-    if name != bug._function:
+    if _answer_digest(bug.seed, name) != bug._answer:
         raise CheckFailed(f"{name} is not where the bug is: the copy of it in bug.pieces behaves like the engine's "
                           "own. Which phase went wrong first, and which function ran in it?")
     own = workload(bug.llm)
@@ -160,5 +194,5 @@ def check_bug_fix(bug: PlantedBug, function_name: str, fixed) -> None:
                               f"{p.cow_copies} blocks on write; the engine's own: {o.hits} and {o.cow_copies}")
     if len(yours) != len(own):
         raise CheckFailed(f"with your {name} the workload stopped after phase '{yours[-1].name}'")
-    passed(f"{name} is where the bug was ({bug._diagnosis}); with your fix the engine freed every block after "
+    passed(f"{name} is where the bug was ({reveal(bug)[2]}); with your fix the engine freed every block after "
            f"each of {len(own)} phases and gave its own tokens, hits and copies")

@@ -189,10 +189,9 @@ def check_leak_finder(find_leaked_blocks, llm=None):
     passed("find_leaked_blocks finds held blocks nobody owns, and shares nobody gave back, in 4 pools")
     if llm is None:
         return
-    from .mystery import BUGS, CORRECT, workload
+    from .mystery import planted_pieces, workload
 
-    function, leaky, _ = BUGS["leak"]
-    for phase in workload(llm, **{**CORRECT, function: leaky}):
+    for phase in workload(llm, **planted_pieces("leak")):
         held = [b for b, refs in enumerate(phase.snapshot["ref_counts"]) if refs > 0]  # every request has finished
         found = sorted(find_leaked_blocks(phase.snapshot))
         if found != held:

@@ -11,6 +11,7 @@ boundary, an empty run), then on real benchmark runs at SLOs set between measure
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import math
 import threading
 import time
@@ -311,21 +312,61 @@ async def _scenario(engine, timeline, llm, clients: int, tokens: int) -> dict:
     return {"lag": lag, "left": len(left[-1].token_ids) if left else 0, "steps": engine.num_steps}
 
 
-def _run_bounded(coro_fn, seconds: float):
+RELEASE_S = 5.0  # after the check's time is up, how long its thread gets to unwind once told to
+
+
+class _Abandoned(Exception):
+    """Raised inside the check's thread when its time is up, to unwind a reader stuck in the attendee's code."""
+
+
+def _unblock(engine, streams):
+    """Free a reader blocked inside an attendee's ``__anext__`` after the check's time is up. A blocked event loop
+    never runs what ``deliver`` hands it (``loop.call_soon_threadsafe``), so the engine's shutdown alone cannot
+    reach the stream: its error is also put straight into each stream, from this thread, which wakes a stream
+    waiting on a thread-safe queue or event."""
+    engine.shutdown(wait=False)
+    for stream in streams:
+        for index in range(len(getattr(stream, "request_ids", ())) or 1):
+            try:
+                stream.put(index, EngineUnavailableError("the check's time is up"))
+            except Exception:  # noqa: BLE001 -- the attendee's put may itself be the broken piece
+                pass
+
+
+def _run_bounded(coro_fn, seconds: float, unblock=None):
     """Run ``coro_fn()`` in a fresh event loop on a thread of its own (a notebook's loop is already running), for
-    at most ``seconds``: (result, None), (None, exception), or (None, None) when it did not finish."""
+    at most ``seconds``: (result, error, stuck): (result, None, False), (None, exception, False), or, when it
+    did not finish, (None, None, stuck).
+
+    A thread cannot be killed, so one that overruns is freed as far as Python allows, then joined (bounded):
+    ``unblock()`` first (wakes a reader waiting on something), then ``_Abandoned`` raised inside the thread,
+    which ends Python code that loops or sleeps in steps (``while not ready: time.sleep(0.01)``); its event
+    loop is closed on the way out. ``stuck`` says the thread is still alive after that: a wait in C with no
+    timeout, which only its process's end frees."""
     box = {}
 
     def target():
         try:
             box["result"] = asyncio.run(coro_fn())
+        except _Abandoned:
+            pass
         except BaseException as exc:  # noqa: BLE001 -- handed to the caller, who reports it
             box["error"] = exc
 
     thread = threading.Thread(target=target, name="stream-check", daemon=True)
     thread.start()
     thread.join(seconds)
-    return box.get("result"), box.get("error")
+    if not thread.is_alive():
+        return box.get("result"), box.get("error"), False
+    if unblock is not None:
+        unblock()
+    thread.join(RELEASE_S / 2)
+    deadline = time.monotonic() + RELEASE_S / 2
+    while thread.is_alive() and time.monotonic() < deadline:
+        # asynchronously raised: the thread sees it at its next Python instruction (again, if its code catches one)
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_Abandoned))
+        thread.join(0.1)
+    return None, None, thread.is_alive()
 
 
 def check_request_streams(stream_class, deliver, llm, clients: int = 4, tokens: int = 4):
@@ -347,13 +388,25 @@ def check_request_streams(stream_class, deliver, llm, clients: int = 4, tokens: 
         step()
 
     engine._step = padded_step
+    submit, streams = engine.submit, []
+
+    def recorded_submit(prepared, request_ids):
+        streams.append(submit(prepared, request_ids))  # kept to unblock a reader stuck in __anext__ (see below)
+        return streams[-1]
+
+    engine.submit = recorded_submit
     timeline = _Timeline(deliver)
     started = time.perf_counter()
     try:
         with engine.plugged(stream_class=stream_class, deliver=timeline):
-            result, error = _run_bounded(lambda: _scenario(engine, timeline, llm, clients, tokens), TOTAL_S)
+            result, error, stuck = _run_bounded(lambda: _scenario(engine, timeline, llm, clients, tokens), TOTAL_S,
+                                                lambda: _unblock(engine, streams))
     finally:
         engine.shutdown()
+    if stuck:
+        raise CheckFailed(f"the check did not finish in {TOTAL_S:g} s, and its thread is still blocked inside your "
+                          "__anext__ (a blocking wait nothing can interrupt: restart the kernel to free it). __anext__ "
+                          "must await an asyncio.Event, never block the event loop")
     if error is not None:
         if isinstance(error, CheckFailed):
             raise error

@@ -15,12 +15,13 @@ built. Where nothing can be built (a laptop without a compiler), the reason is k
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
 import sys
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -54,10 +55,12 @@ def compile_extension(name: str, what: str, files: list[str], functions: list[st
                 _put_ninja_on_path()
                 cap = torch.backends.cpu.get_cpu_capability()  # one build per instruction set
                 module_name = f"labsupport_{name}_{cap.lower()}"
-                module = load_inline(module_name, cpp_sources=sources(files), functions=functions,
-                                     extra_cflags=["-O3", "-fopenmp", *vector_flags(), *extra_cflags],
-                                     extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)],
-                                     build_directory=_build_directory(module_name), verbose=False)
+                directory = _build_directory(module_name)
+                with exclusive_build(directory):
+                    module = load_inline(module_name, cpp_sources=sources(files), functions=functions,
+                                         extra_cflags=["-O3", "-fopenmp", *vector_flags(), *extra_cflags],
+                                         extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)],
+                                         build_directory=directory, verbose=False)
                 _built[name] = (module, "")
             except Exception as exc:  # no compiler, no headers, an unsupported platform: keep the PyTorch path
                 _built[name] = (None, f"{what} could not be built ({type(exc).__name__}: {str(exc)[:300]})")
@@ -69,30 +72,39 @@ def built(name: str):
     return _built.get(name, (None,))[0]
 
 
-STALE_LOCK_S = 900  # a build takes a minute or two; a lock this old was left by a process killed mid-build
-
-
 def _build_directory(module_name: str) -> str:
     """``~/.cache/torch_extensions/labsupport-<environment>/<module>`` (``TORCH_EXTENSIONS_DIR`` moves the root):
     one folder per Python environment, torch version and copy of this package, so that two venvs (a clone's CI
     run beside a working copy, a notebook kernel beside a terminal) or two checkouts sharing a venv never rebuild
-    each other's extensions.
-
-    torch's builder holds a ``lock`` file in the folder while it compiles, and every other process waits for
-    it to go: a build killed midway (Ctrl-C, a timeout) leaves it behind and every later start waits forever.
-    One older than ``STALE_LOCK_S`` is removed."""
+    each other's extensions."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     environment = hashlib.sha1(f"{sys.prefix}|{torch.__version__}|{package}".encode()).hexdigest()[:10]
     path = os.path.join(root, f"labsupport-{environment}", module_name)
     os.makedirs(path, exist_ok=True)
-    lock = os.path.join(path, "lock")
-    try:
-        if time.time() - os.path.getmtime(lock) > STALE_LOCK_S:
-            os.remove(lock)
-    except OSError:
-        pass  # no lock (the usual case), or another process removed it first
     return path
+
+
+@contextlib.contextmanager
+def exclusive_build(directory: str):
+    """Hold ``directory``'s build for this process alone, across processes (two pytest workers, a notebook
+    kernel beside ``prepare``).
+
+    torch's builder marks a build in progress with a ``lock`` file that it creates and removes itself; a build
+    killed midway (Ctrl-C, a timeout) leaves the file behind and every later start waits on it forever. Guessing
+    its staleness from its age raced: two processes could both find an old file, one remove it and start a
+    build, and the other then remove the *new* file and build over it. Here every build first takes an
+    ``fcntl`` lock on ``build.flock`` beside it. The kernel drops that lock when its holder exits, however it
+    exits, so a process holding it knows no other build of ours is running: any ``lock`` file still there was
+    left by a dead one and is removed, and the wait is for a live build only."""
+    with open(os.path.join(directory, "build.flock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released by close, or by the kernel if this process dies
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(directory, "lock"))  # torch's baton, left by a build that was killed
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _put_ninja_on_path():
