@@ -121,3 +121,58 @@ def test_router_serves_what_the_policy_picks_and_answers_429_when_it_sheds(refer
                                   timeout=10)
             assert too_long.status_code == 429 and "TTFT target" in too_long.json()["error"]["message"]
             assert policy.shed == 1 and policy.loads([w.url])[0].queued_tokens == 0   # the served one was released
+
+
+# ---------------------------------------------------------------- the measurement, on stand-ins that prefill by the clock
+
+def prefilling_worker(s_per_token):
+    """A server that prefills one prompt at a time, ``s_per_token`` seconds a token (a sleep, so the timing holds on
+    a loaded machine), then streams its answer: the cost model of the exercise, made real."""
+    import asyncio
+    import json
+
+    from fastapi.responses import StreamingResponse
+
+    app, lock = FastAPI(), asyncio.Lock()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        n, out = len(body["prompt"]), body["max_tokens"]
+
+        async def events():
+            async with lock:
+                await asyncio.sleep(n * s_per_token)
+            for _ in range(out):
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'text': 'x', 'finish_reason': None}]})}\n\n"
+            yield f"data: {json.dumps({'choices': [], 'usage': {'prompt_tokens': n, 'completion_tokens': out}})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+class Vocabulary:
+    vocab_size, all_special_ids, added_tokens_decoder = 1000, [], {}
+
+
+def test_bursty_load_breaks_a_baseline_and_the_slo_aware_policy_keeps_more_within_target(reference, capsys):
+    from labsupport.checks.slo_routing import RoutingLoad, verdict
+
+    with BackgroundServer(prefilling_worker(0.002)) as fast, BackgroundServer(prefilling_worker(0.004)) as slow:
+        result = checks.compare_routing(reference, [fast.url, slow.url], ["fast", "slow"], "smol", Vocabulary(),
+                                        RoutingLoad(num_requests=30, output_len=2))
+    rows = {r["policy"]: r for r in result["rows"]}
+    assert result["calibration"]["lone_ttft_s"][slow.url] > result["calibration"]["lone_ttft_s"][fast.url]
+    assert min(r["attainment"] for r in rows.values()) < 0.9, rows
+    mine = rows["your SLO-aware"]
+    assert mine["shed"] > 0 and all(r["shed"] == 0 for name, r in rows.items() if r is not mine)
+    assert mine["attainment"] >= max(rows["round robin"]["attainment"], rows["least loaded"]["attainment"]), rows
+    printed = capsys.readouterr().out
+    assert "round robin" in printed and "least loaded" in printed and "your SLO-aware" in printed
+    assert "Below 90 % attainment:" in verdict(result)

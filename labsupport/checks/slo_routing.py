@@ -120,9 +120,11 @@ def check_choose_worker(fn, random_situations: int = 300):
 
 @dataclass
 class RoutingLoad:
-    """The bursty load of the comparison. The target is relative to the slower worker's lone TTFT of a long
-    prompt, and the rate to the workers' prefill capacity, so the load overloads by construction on any
-    machine: bursts (gamma shape below 1) bring several long prompts at once."""
+    """The bursty load of the comparison, overloaded by construction on any machine: the target is relative to the
+    slower worker's lone TTFT of a long prompt, and the rate offers ``load`` times the prompt tokens the workers
+    prefill per second alone. A policy that serves every request then builds a queue that grows by ``load - 1``
+    seconds of work per second, so past the first few seconds' worth its requests miss the target whatever
+    it picks; bursts (gamma shape below 1) bring several long prompts at once on top."""
 
     num_requests: int = 30
     long_len: int = 256  # prompt tokens of a long request ...
@@ -130,7 +132,7 @@ class RoutingLoad:
     long_share: float = 0.3
     output_len: int = 8
     burstiness: float = 0.3  # gamma shape: 1 is Poisson, below 1 burstier
-    load: float = 1.0  # offered prompt tokens / the workers' lone prefill capacity
+    load: float = 2.0  # offered prompt tokens / the workers' lone prefill capacity: twice what they can serve
     slo_factor: float = 2.0  # TTFT target = this x the slower worker's lone TTFT of a long prompt
     seed: int = 0
 
@@ -178,7 +180,9 @@ def compare_routing(choose_worker, urls: list[str], names: list[str], model: str
     cal = calibrate(urls, model, tokenizer, load)
     slo, spt = cal["slo_ttft_s"], cal["s_per_token"]
     rng = random.Random(load.seed)
-    lengths = [load.long_len if rng.random() < load.long_share else load.short_len for _ in range(load.num_requests)]
+    longs = round(load.long_share * load.num_requests)  # exactly this many, in a seeded order
+    lengths = [load.long_len] * longs + [load.short_len] * (load.num_requests - longs)
+    rng.shuffle(lengths)
     capacity = sum(1 / (s * sum(lengths) / len(lengths)) for s in spt.values())  # requests/s, prefill alone
     rate = load.load * capacity
     policies = [("round robin", "round_robin"), ("least loaded", "least_loaded"), ("your SLO-aware", None)]
