@@ -224,9 +224,10 @@ def verdict(result: dict, threshold: float = 0.9) -> str:
 
     def against(name):
         r = rows[name]
-        word = ("more" if mine["attainment"] > r["attainment"] else "fewer" if mine["attainment"] < r["attainment"]
-                else "as many")
-        return (f"{word} requests within the target than {name} ({100 * mine['attainment']:.0f} % against "
+        word = ("more requests within the target than" if mine["attainment"] > r["attainment"] else
+                "fewer requests within the target than" if mine["attainment"] < r["attainment"] else
+                "as many requests within the target as")
+        return (f"{word} {name} ({100 * mine['attainment']:.0f} % against "
                 f"{100 * r['attainment']:.0f} %; goodput {mine['goodput_req_s']:.2f} against {r['goodput_req_s']:.2f} req/s)")
 
     below = [r["policy"] for r in result["rows"] if r["attainment"] < threshold]
