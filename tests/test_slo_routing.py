@@ -176,3 +176,15 @@ def test_bursty_load_breaks_a_baseline_and_the_slo_aware_policy_keeps_more_withi
     printed = capsys.readouterr().out
     assert "round robin" in printed and "least loaded" in printed and "your SLO-aware" in printed
     assert "Below 90 % attainment:" in verdict(result)
+
+
+def test_a_policy_that_raises_in_the_router_fails_the_check():
+    from labsupport.checks.slo_routing import RoutingLoad
+
+    def raises(prompt_tokens, loads, slo_ttft_s):
+        raise KeyError("s_per_token")
+
+    with BackgroundServer(prefilling_worker(0.001)) as a, BackgroundServer(prefilling_worker(0.001)) as b:
+        with pytest.raises(checks.CheckFailed, match="your policy broke 6 requests"):
+            checks.compare_routing(raises, [a.url, b.url], ["a", "b"], "smol", Vocabulary(),
+                                   RoutingLoad(num_requests=6, output_len=1))

@@ -170,7 +170,8 @@ def compare_routing(choose_worker, urls: list[str], names: list[str], model: str
                     load: RoutingLoad = RoutingLoad()) -> dict:
     """Round robin, least loaded and ``SLOAware(choose_worker)`` behind chapter 07's router (in-process) in front of
     ``urls``, each under the same bursty load (same lengths and arrival times, fresh tokens); prints the table and
-    returns it. Raises ``CheckFailed`` if the attendee's policy broke a request (an error other than a 429)."""
+    returns it. Raises ``CheckFailed`` if the attendee's policy broke a request in the router (a 500), and
+    ``RuntimeError`` if a server failed under the load (the policy's fault or not, the comparison would be void)."""
     from ..bench.serve_bench import COMPLETIONS, benchmark
     from ..bench.serve_datasets import SampleRequest
     from ..pd.router_app import create_router_app
@@ -190,14 +191,17 @@ def compare_routing(choose_worker, urls: list[str], names: list[str], model: str
     for k, (label, name) in enumerate(policies):
         policy = name or SLOAware(choose_worker, slo, spt)
         requests = [SampleRequest(p, len(p), load.output_len) for p in _prompts(tokenizer, lengths, load.seed + k)]
-        with BackgroundServer(create_router_app(instances=urls, policy=policy, health_interval=5.0,
+        with BackgroundServer(create_router_app(instances=urls, policy=policy, health_interval=30.0,
                                                  read_timeout=600.0)) as router:
             r = benchmark(router.url, model, requests, rate=rate, burstiness=load.burstiness, endpoint=COMPLETIONS,
                           progress=False, seed=load.seed, test_request=False)
         shed = [q for q in r.requests if q.error.startswith("HTTP 429")]
         broken = [q.error for q in r.requests if not q.success and q not in shed]
+        if broken and name is None and any(e.startswith("HTTP 500") for e in broken):  # the router's answer to a raise
+            raise CheckFailed(f"your policy broke {len(broken)} requests in the router (it raised, or returned a url "
+                              f"that is not a worker's): {broken[0]}")
         if broken:
-            raise CheckFailed(f"{label}: {len(broken)} requests failed other than by shedding, first: {broken[0]}")
+            raise RuntimeError(f"{label}: {len(broken)} requests failed other than by shedding, first: {broken[0]}")
         good = [q for q in r.requests if q.success and q.ttft <= slo]
         late = [q for q in r.requests if q.success and q.ttft > slo]
         rows.append({"policy": label, "attainment": len(good) / len(requests), "goodput_req_s": len(good) / r["duration"],
