@@ -42,7 +42,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from starlette.background import BackgroundTask
 
 from ..serve.protocol import APIError, error_body
-from .routing import Policy, Workers
+from .routing import Policy, Shed, Workers
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 2.0  # a worker that does not accept within this is down: fail over, do not hang
@@ -200,7 +200,10 @@ class Router:
             candidates = self.workers.candidates(role, exclude=tried)
             if not candidates:
                 raise APIError(503, f"no healthy {role} worker (of {len(urls)})", UNAVAILABLE)
-            url = route[role] = policy.choose(candidates, body)
+            try:
+                url = route[role] = policy.choose(candidates, body)
+            except Shed as exc:  # refused at once: a client can retry elsewhere or later, not wait to miss
+                raise APIError(429, str(exc), "rate_limit_exceeded") from None
             down = self.down.get(url)
             if down is not None and down.is_set():  # it fell and is back (it is a candidate): a fresh start
                 down = self.down[url] = asyncio.Event()

@@ -19,14 +19,21 @@ and polling it would be stale by the time a request lands; what we sent ourselve
   hit rate would fall to about 1/N. Stickiness must not starve the others, hence the bound:
   when the sticky worker has ``max_imbalance`` more requests in flight than the least loaded
   one, the request goes to the least loaded (which then warms its own cache).
+* ``SLOAware``: the request goes where it can still get its first token within a TTFT target,
+  or nowhere (``Shed``: the router answers 429 at once). Round robin and least loaded count
+  requests, but a 2,000-token prompt costs a worker as much prefill as forty 50-token ones, and
+  a request that will miss its target anyway still delays every request queued behind it. The
+  decision itself, ``choose_worker(prompt_tokens, loads, slo_ttft_s) -> url | None``, is the
+  attendee's in chapter 08; this class keeps the state it needs (``WorkerLoad``).
 """
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import logging
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 log = logging.getLogger(__name__)
 POLICIES = ("round_robin", "least_loaded", "prefix_aware")
@@ -94,6 +101,63 @@ class PrefixAware(Policy):
         return url
 
 
+class Shed(Exception):
+    """The policy refuses the request: no worker can serve it within its target (the router answers 429)."""
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """What the router knows of one worker when a request arrives: what *it* sent there and has not seen
+    end (exact, unlike a polled queue length), and how fast the worker prefills when alone."""
+    url: str
+    queued_tokens: int  # prompt tokens of the requests this router sent to the worker that have not ended
+    in_flight: int  # those requests
+    s_per_token: float  # seconds of prefill per prompt token, measured on the idle worker
+
+
+class SLOAware(Policy):
+    """``choose_worker(prompt_tokens, loads, slo_ttft_s)`` over the candidates' ``WorkerLoad``; ``None`` sheds.
+
+    Queued tokens are booked when a request is sent and released when one ends. ``done(url)`` does
+    not say which request ended, so the oldest one's tokens are released: requests of equal answer
+    lengths end roughly in the order they were sent, and an error here only shifts which tokens wait."""
+
+    def __init__(self, choose_worker: Callable, slo_ttft_s: float, s_per_token: dict[str, float]):
+        super().__init__()
+        self.choose_worker, self.slo_ttft_s, self.s_per_token = choose_worker, slo_ttft_s, dict(s_per_token)
+        self.queued: dict[str, deque] = {}
+        self.shed = 0
+
+    def loads(self, candidates: list[str]) -> list[WorkerLoad]:
+        return [WorkerLoad(u, sum(self.queued.get(u, ())), self.in_flight[u], self.s_per_token[u]) for u in candidates]
+
+    def pick(self, candidates, body):
+        n = prompt_tokens(body)
+        url = self.choose_worker(n, self.loads(candidates), self.slo_ttft_s)
+        if url is None:
+            self.shed += 1
+            raise Shed(f"no worker can start this {n}-token prompt within the TTFT target of "
+                       f"{self.slo_ttft_s * 1000:.0f} ms")
+        if url not in candidates:
+            raise ValueError(f"choose_worker returned {url!r}, not one of the healthy workers {candidates}")
+        self.queued.setdefault(url, deque()).append(n)
+        return url
+
+    def done(self, url: str):
+        super().done(url)
+        if self.queued.get(url):
+            self.queued[url].popleft()
+
+
+def prompt_tokens(body: dict) -> int:
+    """The prompt's length in tokens: exact for token ids; for text, about 4 characters a token (the
+    router has no tokenizer; an estimate is enough to rank workers)."""
+    prompt = body.get("prompt") if "messages" not in body else None
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    return max(1, len(prompt_text(body)) // 4)
+
+
 def prompt_text(body: dict) -> str:
     """The text a request starts with: chat, its messages' contents concatenated; completions, the
     prompt string, or its token ids written out (a batch of prompts: the first one)."""
@@ -119,7 +183,11 @@ def prefix_key(body: dict, prefix_chars: int) -> str:
     return hashlib.blake2b(prompt_text(body)[:prefix_chars].encode(), digest_size=8).hexdigest()
 
 
-def make_policy(name: str, prefix_chars: int = 256, max_imbalance: int = 4) -> Policy:
+def make_policy(name: str | Policy, prefix_chars: int = 256, max_imbalance: int = 4) -> Policy:
+    """The policy called ``name``; a ``Policy`` object (one the command line cannot name, as ``SLOAware`` with
+    the attendee's function) is used as it is."""
+    if isinstance(name, Policy):
+        return name
     if name == "round_robin":
         return RoundRobin()
     if name == "least_loaded":

@@ -1,0 +1,240 @@
+"""Check for chapter 08: ``choose_worker``, an SLO-aware routing decision, and its measurement.
+
+``fn(prompt_tokens, loads, slo_ttft_s) -> url | None`` gets a request's prompt length, one
+``routing.WorkerLoad`` per healthy worker (what the router sent there and has not seen end, and how
+fast the worker prefills alone) and the TTFT target. Its goal: every request gets the earliest
+first token any worker can give it, and a request that no worker can start within the target is
+refused at once (``None``: the router answers 429) instead of delaying everyone queued behind it.
+
+``check_choose_worker`` first runs the function on hand-made situations, each built so that one
+classic mistake picks the wrong worker (ignoring the prompt's own length, ignoring the queued work,
+counting requests instead of tokens, always the first worker, never shedding, shedding what could
+still make it), then on random ones. ``compare_routing`` then plugs it into chapter 07's router
+(``routing.SLOAware``) in front of real servers, under bursty gamma arrivals, beside round robin
+and least loaded, and measures each from the client's side: SLO attainment (the share of *all*
+requests whose first token came within the target; a shed request counts as missed) and goodput
+(those requests per second).
+"""
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass
+
+from ..pd.routing import WorkerLoad
+from .base import CheckFailed, passed
+
+
+def predicted_ttft(load: WorkerLoad, prompt_tokens: int) -> float:
+    """The worker prefills what was sent before, then this prompt, at its lone speed."""
+    return (load.queued_tokens + prompt_tokens) * load.s_per_token
+
+
+@dataclass
+class Situation:
+    what: str  # the mistake this situation catches, as the message says it
+    prompt_tokens: int
+    loads: list
+    slo_ttft_s: float = 1.0
+
+
+def _w(name, queued, s_per_token=0.002, in_flight=None):
+    return WorkerLoad(f"http://{name}", queued, in_flight if in_flight is not None else (1 if queued else 0), s_per_token)
+
+
+SITUATIONS = [
+    Situation("the first worker has work queued and the second is idle: did you count each worker's queued tokens?",
+              100, [_w("a", 600), _w("b", 0)]),
+    Situation("one long request in flight on the first worker, three short ones on the second: did you compare "
+              "queued tokens, not requests in flight?", 100, [_w("a", 450, in_flight=1), _w("b", 60, in_flight=3)]),
+    Situation("a fast worker with a queue beside a slow idle one, and a long prompt: the slow worker would take "
+              "400 tokens x 4 ms; did you add the prompt's own tokens at each worker's speed?",
+              400, [_w("fast", 300, 0.001), _w("slow", 0, 0.004)]),
+    Situation("both workers are too busy for this prompt: no first token can come within the target, so shed "
+              "it (return None)", 300, [_w("a", 500), _w("b", 450)]),
+    Situation("an idle worker can just make it (0.9 s of a 1.0 s target): serve it, shed only what no worker can "
+              "start in time", 450, [_w("a", 0), _w("b", 200)]),
+    Situation("a short prompt fits on both workers even though the long one would not: did you use the prompt's "
+              "length when deciding to shed?", 20, [_w("a", 480), _w("b", 470)]),
+    Situation("the target is met exactly (0.20 s of a 0.20 s target): within means <=", 100,
+              [_w("a", 0)], 0.2),
+]
+
+
+def _random_situation(rng: random.Random) -> Situation:
+    loads = [_w(f"w{i}", rng.choice([0, rng.randrange(0, 1200)]), rng.choice([0.001, 0.002, 0.004]),
+                rng.randrange(0, 5)) for i in range(rng.randrange(1, 5))]
+    return Situation("a random situation", rng.choice([16, 64, 200, 500]), loads, rng.choice([0.5, 1.0, 2.0]))
+
+
+def _describe(s: Situation) -> str:
+    workers = "; ".join(f"{w.url.removeprefix('http://')}: {w.queued_tokens} tokens queued in {w.in_flight} "
+                        f"requests, {w.s_per_token * 1000:g} ms/token -> {predicted_ttft(w, s.prompt_tokens):.2f} s"
+                        for w in s.loads)
+    return f"a {s.prompt_tokens}-token prompt, target {s.slo_ttft_s:g} s, workers [{workers}]"
+
+
+def _judge(fn, s: Situation):
+    loads = list(s.loads)
+    given = copy.deepcopy(loads)
+    try:
+        got = fn(s.prompt_tokens, given, s.slo_ttft_s)
+    except Exception as exc:
+        raise CheckFailed(f"your function raised {type(exc).__name__}: {exc} on {_describe(s)}") from exc
+    if given != loads:
+        raise CheckFailed(f"your function changed the list of loads it was given ({_describe(s)}): the router "
+                          "reuses it; sort a copy")
+    times = {w.url: predicted_ttft(w, s.prompt_tokens) for w in loads}
+    best = min(times.values())
+    fits = best <= s.slo_ttft_s * (1 + 1e-9)
+    if got is None:
+        if fits:
+            raise CheckFailed(f"you shed a request that a worker could start in {best:.2f} s, within the target. "
+                              f"{s.what} ({_describe(s)})")
+        return
+    if got not in times:
+        raise CheckFailed(f"you returned {got!r}, which is neither None nor a worker's url ({_describe(s)})")
+    if not fits:
+        raise CheckFailed(f"you sent the request to {got.removeprefix('http://')}, where its first token would come "
+                          f"after {times[got]:.2f} s, beyond the {s.slo_ttft_s:g} s target, and so would it "
+                          f"anywhere: {s.what} ({_describe(s)})")
+    if times[got] > best * (1 + 1e-9):
+        raise CheckFailed(f"you chose {got.removeprefix('http://')} ({times[got]:.2f} s to the first token) where "
+                          f"another worker gives it in {best:.2f} s: {s.what} ({_describe(s)})")
+
+
+def check_choose_worker(fn, random_situations: int = 300):
+    """``fn`` on ``SITUATIONS`` (each catches one mistake) and on random situations, against the goal: the least
+    predicted TTFT, or None exactly when no worker meets the target."""
+    for s in SITUATIONS:
+        _judge(fn, s)
+    rng = random.Random(8)
+    for _ in range(random_situations):
+        _judge(fn, _random_situation(rng))
+    passed(f"choose_worker sent each request where its first token comes soonest, counted queued tokens and the "
+           f"prompt's own at each worker's speed, and shed exactly what no worker could start within the target "
+           f"({len(SITUATIONS)} situations built to catch one mistake each, {random_situations} random ones)")
+
+
+# ---------------------------------------------------------------- the measurement, through the real router
+
+@dataclass
+class RoutingLoad:
+    """The bursty load of the comparison, overloaded by construction on any machine: the target is relative to the
+    slower worker's lone TTFT of a long prompt, and the rate offers ``load`` times the prompt tokens the workers
+    prefill per second alone. A policy that serves every request then builds a queue that grows by ``load - 1``
+    seconds of work per second, so past the first few seconds' worth its requests miss the target whatever
+    it picks; bursts (gamma shape below 1) bring several long prompts at once on top."""
+
+    num_requests: int = 30
+    long_len: int = 256  # prompt tokens of a long request ...
+    short_len: int = 32  # ... and of a short one
+    long_share: float = 0.3
+    output_len: int = 8
+    burstiness: float = 0.3  # gamma shape: 1 is Poisson, below 1 burstier
+    load: float = 2.0  # offered prompt tokens / the workers' lone prefill capacity: twice what they can serve
+    slo_factor: float = 2.0  # TTFT target = this x the slower worker's lone TTFT of a long prompt
+    seed: int = 0
+
+
+def _prompts(tokenizer, lengths: list[int], seed: int) -> list[list[int]]:
+    """Random token ids (the tokenizer's ordinary ones), fresh per run: no prefix-cache hit helps any policy."""
+    from ..bench.serve_datasets import _ordinary_ids
+    rng = random.Random(seed)
+    vocab = _ordinary_ids(tokenizer).tolist()
+    return [[rng.choice(vocab) for _ in range(n)] for n in lengths]
+
+
+def _lone_ttft(url: str, model: str, prompt: list[int]) -> float:
+    from ..bench.serve_bench import COMPLETIONS, benchmark
+    from ..bench.serve_datasets import SampleRequest
+    r = benchmark(url, model, [SampleRequest(prompt, len(prompt), 1)], endpoint=COMPLETIONS, progress=False,
+                  test_request=False)
+    if not r.requests[0].success:
+        raise RuntimeError(f"{url}: {r.requests[0].error}")
+    return r.requests[0].ttft
+
+
+def calibrate(urls: list[str], model: str, tokenizer, load: RoutingLoad) -> dict:
+    """Each worker's lone TTFT of a long prompt (after one warm-up), its seconds per token, and the target."""
+    lone = {}
+    for i, url in enumerate(urls):
+        warm, *probes = _prompts(tokenizer, [load.short_len, load.long_len, load.long_len], load.seed + 1000 + i)
+        _lone_ttft(url, model, warm)  # a server's first requests are slower: not the one measured
+        lone[url] = min(_lone_ttft(url, model, p) for p in probes)
+    return {"lone_ttft_s": lone, "s_per_token": {u: t / load.long_len for u, t in lone.items()},
+            "slo_ttft_s": load.slo_factor * max(lone.values())}
+
+
+def compare_routing(choose_worker, urls: list[str], names: list[str], model: str, tokenizer,
+                    load: RoutingLoad = RoutingLoad()) -> dict:
+    """Round robin, least loaded and ``SLOAware(choose_worker)`` behind chapter 07's router (in-process) in front of
+    ``urls``, each under the same bursty load (same lengths and arrival times, fresh tokens); prints the table and
+    returns it. Raises ``CheckFailed`` if the attendee's policy broke a request in the router (a 500), and
+    ``RuntimeError`` if a server failed under the load (the policy's fault or not, the comparison would be void)."""
+    from ..bench.serve_bench import COMPLETIONS, benchmark
+    from ..bench.serve_datasets import SampleRequest
+    from ..pd.router_app import create_router_app
+    from ..pd.routing import SLOAware
+    from ..serve.background import BackgroundServer
+
+    cal = calibrate(urls, model, tokenizer, load)
+    slo, spt = cal["slo_ttft_s"], cal["s_per_token"]
+    rng = random.Random(load.seed)
+    longs = round(load.long_share * load.num_requests)  # exactly this many, in a seeded order
+    lengths = [load.long_len] * longs + [load.short_len] * (load.num_requests - longs)
+    rng.shuffle(lengths)
+    capacity = sum(1 / (s * sum(lengths) / len(lengths)) for s in spt.values())  # requests/s, prefill alone
+    rate = load.load * capacity
+    policies = [("round robin", "round_robin"), ("least loaded", "least_loaded"), ("your SLO-aware", None)]
+    rows = []
+    for k, (label, name) in enumerate(policies):
+        policy = name or SLOAware(choose_worker, slo, spt)
+        requests = [SampleRequest(p, len(p), load.output_len) for p in _prompts(tokenizer, lengths, load.seed + k)]
+        with BackgroundServer(create_router_app(instances=urls, policy=policy, health_interval=30.0,
+                                                 read_timeout=600.0)) as router:
+            r = benchmark(router.url, model, requests, rate=rate, burstiness=load.burstiness, endpoint=COMPLETIONS,
+                          progress=False, seed=load.seed, test_request=False)
+        shed = [q for q in r.requests if q.error.startswith("HTTP 429")]
+        broken = [q.error for q in r.requests if not q.success and q not in shed]
+        if broken and name is None and any(e.startswith("HTTP 500") for e in broken):  # the router's answer to a raise
+            raise CheckFailed(f"your policy broke {len(broken)} requests in the router (it raised, or returned a url "
+                              f"that is not a worker's): {broken[0]}")
+        if broken:
+            raise RuntimeError(f"{label}: {len(broken)} requests failed other than by shedding, first: {broken[0]}")
+        good = [q for q in r.requests if q.success and q.ttft <= slo]
+        late = [q for q in r.requests if q.success and q.ttft > slo]
+        rows.append({"policy": label, "attainment": len(good) / len(requests), "goodput_req_s": len(good) / r["duration"],
+                     "within": len(good), "late": len(late), "shed": len(shed), "requests": len(requests),
+                     "p90_ttft_s": r["p90_ttft_ms"] / 1000, "duration_s": r["duration"]})
+    lone = ", ".join(f"{n} {cal['lone_ttft_s'][u] * 1000:.0f} ms" for n, u in zip(names, urls))
+    print(f"lone TTFT of a {load.long_len}-token prompt: {lone}; target TTFT {slo * 1000:.0f} ms "
+          f"({load.slo_factor:g}x the slower); {load.num_requests} requests ({sum(x == load.long_len for x in lengths)} "
+          f"of {load.long_len} tokens, the rest {load.short_len}), {load.output_len} tokens out, gamma arrivals of "
+          f"shape {load.burstiness:g} at {rate:.2f} req/s")
+    print(f"{'policy':16} {'within target':>14} {'attainment':>11} {'goodput':>12} {'late':>5} {'shed':>5} "
+          f"{'TTFT P90 of served':>19}")
+    for row in rows:
+        print(f"{row['policy']:16} {row['within']:>6} of {row['requests']:<5} {100 * row['attainment']:>9.0f} % "
+              f"{row['goodput_req_s']:>6.2f} req/s {row['late']:>5} {row['shed']:>5} {row['p90_ttft_s'] * 1000:>14.0f} ms")
+    return {"rows": rows, "calibration": cal, "rate_req_s": rate, "lengths": lengths}
+
+
+def verdict(result: dict, threshold: float = 0.9) -> str:
+    """What the table shows, in words: each baseline against the attendee's policy, and which fell below the
+    threshold."""
+    rows = {r["policy"]: r for r in result["rows"]}
+    mine = rows["your SLO-aware"]
+
+    def against(name):
+        r = rows[name]
+        word = ("more requests within the target than" if mine["attainment"] > r["attainment"] else
+                "fewer requests within the target than" if mine["attainment"] < r["attainment"] else
+                "as many requests within the target as")
+        return (f"{word} {name} ({100 * mine['attainment']:.0f} % against "
+                f"{100 * r['attainment']:.0f} %; goodput {mine['goodput_req_s']:.2f} against {r['goodput_req_s']:.2f} req/s)")
+
+    below = [r["policy"] for r in result["rows"] if r["attainment"] < threshold]
+    return (f"Your SLO-aware policy got {against('round robin')}, and {against('least loaded')}, shedding "
+            f"{mine['shed']} of {mine['requests']}. Below {100 * threshold:.0f} % attainment: "
+            f"{', '.join(below) if below else 'none'}.")

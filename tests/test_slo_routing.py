@@ -1,0 +1,190 @@
+"""Chapter 08's SLO-aware routing: ``check_choose_worker`` passes the notebook's reference and fails each planted
+mistake, and ``routing.SLOAware`` plugs such a function into chapter 07's router (tokens booked and released, a
+shed request answered 429 at once)."""
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+
+from labsupport import checks
+from labsupport.pd.router_app import create_router_app
+from labsupport.pd.routing import SLOAware, Shed, WorkerLoad, prompt_tokens
+from labsupport.serve.background import BackgroundServer
+
+from notebook_tools import chapter, exercise_solutions
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return exercise_solutions(chapter("08"))["choose_worker"]
+
+
+def ttft(load, n):
+    return (load.queued_tokens + n) * load.s_per_token
+
+
+def best(loads, key):
+    return min(loads, key=key)
+
+
+# ---------------------------------------------------------------- planted mistakes
+
+def ignores_prompt_length(n, loads, slo):
+    w = best(loads, lambda w: w.queued_tokens * w.s_per_token)
+    return w.url if w.queued_tokens * w.s_per_token <= slo else None
+
+
+def ignores_queued_work(n, loads, slo):
+    w = best(loads, lambda w: n * w.s_per_token)
+    return w.url if n * w.s_per_token <= slo else None
+
+
+def always_first(n, loads, slo):
+    return loads[0].url
+
+
+def never_sheds(n, loads, slo):
+    return best(loads, lambda w: ttft(w, n)).url
+
+
+def counts_requests(n, loads, slo):
+    w = best(loads, lambda w: w.in_flight)
+    return w.url if ttft(w, n) <= slo else None
+
+
+def sheds_too_eagerly(n, loads, slo):
+    w = best(loads, lambda w: ttft(w, n))
+    return w.url if ttft(w, n) < slo else None   # exactly on target is within
+
+
+def first_that_fits(n, loads, slo):
+    return next((w.url for w in loads if ttft(w, n) <= slo), None)   # meets the target, but not the soonest
+
+
+def sorts_in_place(n, loads, slo):
+    loads.sort(key=lambda w: ttft(w, n))
+    return loads[0].url if ttft(loads[0], n) <= slo else None
+
+
+def test_reference_choose_worker_passes(reference, capsys):
+    checks.check_choose_worker(reference)
+    assert "✓ choose_worker" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, says", [
+    (ignores_prompt_length, "prompt"), (ignores_queued_work, "queued"), (always_first, "another worker"),
+    (never_sheds, "shed it"), (counts_requests, "queued tokens, not requests"), (sheds_too_eagerly, "within"),
+    (first_that_fits, "another worker gives it"), (sorts_in_place, "changed the list")])
+def test_each_planted_routing_mistake_fails_with_its_cause(wrong, says):
+    with pytest.raises(checks.CheckFailed, match=says):
+        checks.check_choose_worker(wrong)
+
+
+# ---------------------------------------------------------------- the policy in the router
+
+def test_slo_aware_policy_books_prompt_tokens_until_the_request_ends_and_sheds_with_none(reference):
+    policy = SLOAware(reference, slo_ttft_s=1.0, s_per_token={"a": 0.002, "b": 0.004})
+    body = {"prompt": list(range(300))}
+    assert prompt_tokens(body) == 300 and prompt_tokens({"prompt": "x" * 40}) == 10
+    assert policy.choose(["a", "b"], body) == "a"          # 0.6 s on a, 1.2 s on b
+    assert policy.loads(["a"]) == [WorkerLoad("a", 300, 1, 0.002)]
+    with pytest.raises(Shed):                                # a: (300 + 300) x 2 ms = 1.2 s, b: 1.2 s
+        policy.choose(["a", "b"], body)
+    assert policy.shed == 1 and policy.in_flight["a"] == 1   # a shed request is never counted in flight
+    policy.done("a")
+    assert policy.loads(["a", "b"]) == [WorkerLoad("a", 0, 0, 0.002), WorkerLoad("b", 0, 0, 0.004)]
+    assert policy.choose(["a", "b"], body) == "a"
+
+
+def stand_in_worker():
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        return {"choices": [{"text": f"{len(body['prompt'])} tokens", "index": 0}]}
+
+    return app
+
+
+def test_router_serves_what_the_policy_picks_and_answers_429_when_it_sheds(reference):
+    with BackgroundServer(stand_in_worker()) as w:
+        policy = SLOAware(reference, slo_ttft_s=1.0, s_per_token={w.url: 0.002})
+        with BackgroundServer(create_router_app(instances=[w.url], policy=policy, health_interval=0.2)) as r:
+            ok = httpx.post(r.url + "/v1/completions", json={"model": "smol", "prompt": list(range(400))}, timeout=10)
+            assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "400 tokens"
+            assert ok.headers["x-pd-route"] == f"instance={w.url}"
+            too_long = httpx.post(r.url + "/v1/completions", json={"model": "smol", "prompt": list(range(600))},
+                                  timeout=10)
+            assert too_long.status_code == 429 and "TTFT target" in too_long.json()["error"]["message"]
+            assert policy.shed == 1 and policy.loads([w.url])[0].queued_tokens == 0   # the served one was released
+
+
+# ---------------------------------------------------------------- the measurement, on stand-ins that prefill by the clock
+
+def prefilling_worker(s_per_token):
+    """A server that prefills one prompt at a time, ``s_per_token`` seconds a token (a sleep, so the timing holds on
+    a loaded machine), then streams its answer: the cost model of the exercise, made real."""
+    import asyncio
+    import json
+
+    from fastapi.responses import StreamingResponse
+
+    app, lock = FastAPI(), asyncio.Lock()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        n, out = len(body["prompt"]), body["max_tokens"]
+
+        async def events():
+            async with lock:
+                await asyncio.sleep(n * s_per_token)
+            for _ in range(out):
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'text': 'x', 'finish_reason': None}]})}\n\n"
+            yield f"data: {json.dumps({'choices': [], 'usage': {'prompt_tokens': n, 'completion_tokens': out}})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+class Vocabulary:
+    vocab_size, all_special_ids, added_tokens_decoder = 1000, [], {}
+
+
+def test_bursty_load_breaks_a_baseline_and_the_slo_aware_policy_keeps_more_within_target(reference, capsys):
+    from labsupport.checks.slo_routing import RoutingLoad, verdict
+
+    with BackgroundServer(prefilling_worker(0.002)) as fast, BackgroundServer(prefilling_worker(0.004)) as slow:
+        result = checks.compare_routing(reference, [fast.url, slow.url], ["fast", "slow"], "smol", Vocabulary(),
+                                        RoutingLoad(num_requests=30, output_len=2))
+    rows = {r["policy"]: r for r in result["rows"]}
+    assert result["calibration"]["lone_ttft_s"][slow.url] > result["calibration"]["lone_ttft_s"][fast.url]
+    assert min(r["attainment"] for r in rows.values()) < 0.9, rows
+    mine = rows["your SLO-aware"]
+    assert mine["shed"] > 0 and all(r["shed"] == 0 for name, r in rows.items() if r is not mine)
+    assert mine["attainment"] >= max(rows["round robin"]["attainment"], rows["least loaded"]["attainment"]), rows
+    printed = capsys.readouterr().out
+    assert "round robin" in printed and "least loaded" in printed and "your SLO-aware" in printed
+    assert "Below 90 % attainment:" in verdict(result)
+
+
+def test_a_policy_that_raises_in_the_router_fails_the_check():
+    from labsupport.checks.slo_routing import RoutingLoad
+
+    def raises(prompt_tokens, loads, slo_ttft_s):
+        raise KeyError("s_per_token")
+
+    with BackgroundServer(prefilling_worker(0.001)) as a, BackgroundServer(prefilling_worker(0.001)) as b:
+        with pytest.raises(checks.CheckFailed, match="your policy broke 6 requests"):
+            checks.compare_routing(raises, [a.url, b.url], ["a", "b"], "smol", Vocabulary(),
+                                   RoutingLoad(num_requests=6, output_len=1))
