@@ -1,4 +1,4 @@
-"""Small decode steps on the CPU, one C++ call per layer (``engine/cpu_decode_layers.py``): the same tokens and
+"""Small decode steps on the CPU, one C++ call per layer (``kernels/cpu_decode_layers.py``): the same tokens and
 the same logprobs as the Python layers, bit for bit, and the Python layers wherever the C++ layer must step
 aside (more rows than the thin products take, an exercise's attention plugged in, quantized weights,
 ``enforce_eager``). Qwen2's q/k/v bias runs through it in ``tests/test_model_variants.py`` (tokens equal to
@@ -6,7 +6,7 @@ transformers'); Qwen3's q/k norm declines it there."""
 import pytest
 
 from labsupport import LLM, SamplingParams
-from labsupport.engine import cpu_decode_layers
+from labsupport.kernels import cpu_decode_layers
 from labsupport.engine.paged_attention import paged_decode_attention
 
 from conftest import PROMPTS

@@ -115,7 +115,7 @@ def test_panel_product_equals_the_matrix_product(built, n, k):
 def test_a_linear_takes_the_panels_while_they_are_its_weight(built):
     """``pack_cpu_weights`` gives a whole-panel matrix panels (others oneDNN's layout); ``product`` reads them up
     to ``PANEL_ROWS`` rows, takes oneDNN beyond, and the plain weight once it is rewritten or replaced."""
-    from labsupport.models import products
+    from labsupport.kernels import products
     torch.manual_seed(0)
     width = cpu_products.panel_width()  # 32 with AVX-512, 16 with AVX2
     if not width:

@@ -1,4 +1,4 @@
-"""CUDA-graph decode (``engine/cuda_graphs.py``), checked on the CPU: ``capture=False`` runs the very
+"""CUDA-graph decode (``kernels/cuda_graphs.py``), checked on the CPU: ``capture=False`` runs the very
 forward a graph would record, from the static buffers, so a wrong slot, table row or padding row
 shows here as a different logit or token. The graphs themselves are checked by ``make gpu-check``."""
 import random
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from labsupport import LLM, SamplingParams
-from labsupport.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from labsupport.kernels.cuda_graphs import DecodeGraphs, capture_sizes
 from labsupport.engine.paged_attention import PagedAttention
 from labsupport.engine.runner import ModelRunner
 from labsupport.engine.scheduler import SchedulerOutput

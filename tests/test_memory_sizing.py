@@ -13,7 +13,8 @@ import torch
 from labsupport import LLM, SamplingParams
 from labsupport.engine import build
 from labsupport.engine.config import EngineConfig, gpu_kv_cache_bytes
-from labsupport.models import llama, loader, products
+from labsupport.kernels import products
+from labsupport.models import llama, loader
 
 GiB = 2**30
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

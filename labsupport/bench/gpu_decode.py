@@ -1,6 +1,6 @@
 """``make gpu-check``, parts 1-3: the decode path on a GPU, with random weights of real shapes.
 
-1. **kernel**: the Triton paged-attention decode kernel (``engine/triton_attention.py``) against the
+1. **kernel**: the Triton paged-attention decode kernel (``kernels/triton_attention.py``) against the
    PyTorch path (``paged_decode_attention``): agreement in fp32 and bf16, and both timed at batch 64.
 2. **decode**: one decode step of the real engine pieces at batch 64, contexts 512-1024, as achieved
    memory bandwidth and as a fraction of the device's measured copy bandwidth (the target is 70 %),
@@ -83,7 +83,7 @@ def copy_bandwidth(device, nbytes: int) -> float:
 
 def decode_paths(device) -> dict:
     """The decode paths that can run here: always PyTorch's; the kernel on CUDA or under the interpreter."""
-    from ..engine import triton_attention
+    from ..kernels import triton_attention
     from ..engine.paged_attention import paged_decode_attention
 
     paths = {"torch": paged_decode_attention}
@@ -152,7 +152,7 @@ def check_decode(device, quick: bool, dtype, copy_bw: float) -> dict:
 
 def time_decode_step(cfg, lens, device, dtype, copy_bw: float, quick: bool) -> dict:
     """One decode step of ``len(lens)`` sequences through ``ModelRunner.execute``, with each decode path."""
-    from ..engine.cuda_graphs import DecodeGraphs
+    from ..kernels.cuda_graphs import DecodeGraphs
     from ..engine.paged_attention import PagedAttention
     from ..engine.runner import ModelRunner
     from ..engine.scheduler import SchedulerOutput

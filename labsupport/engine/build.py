@@ -60,7 +60,7 @@ def uses_cuda_graphs(c: EngineConfig, device) -> bool:
     """Decode steps replay CUDA graphs on a GPU with the Triton kernel, unless ``enforce_eager``."""
     if torch.device(device).type != "cuda" or c.enforce_eager or c.kv_cache != "paged":
         return False
-    from . import triton_attention
+    from ..kernels import triton_attention
     return triton_attention.available(device)
 
 
@@ -71,7 +71,7 @@ def uses_cpu_decode_layers(c: EngineConfig, device, backend) -> bool:
     if (torch.device(device).type != "cpu" or c.enforce_eager or c.kv_cache != "paged" or not c.cpu_decode_kernel
             or not pools or pools[0].dtype != torch.float32):
         return False
-    from . import cpu_decode_layers
+    from ..kernels import cpu_decode_layers
     return cpu_decode_layers.available()[0]
 
 

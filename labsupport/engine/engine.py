@@ -18,10 +18,11 @@ import torch
 
 from ..kernels import cpu_ops
 from ..models.loader import load_model, resolve_device
-from . import build, cpu_memory
+from ..kernels import cpu_memory
+from . import build
 from .config import EngineConfig
-from .cpu_decode_layers import CpuDecodeLayers
-from .cuda_graphs import DecodeGraphs
+from ..kernels.cpu_decode_layers import CpuDecodeLayers
+from ..kernels.cuda_graphs import DecodeGraphs
 from .detokenizer import IncrementalDetokenizer, catch_up
 from .kv_cache_manager import ContiguousKVManager, KVCacheManager
 from .limits import EngineLimits

@@ -111,7 +111,7 @@ class PagedAttention(AttentionBackend):
         self.prefill_kernel = None  # or every prefill sequence of a step in one call, read in place (the CPU's)
         self.mixed_attention = None  # chapter 02's plug point: every row of a step, prefill or decode, in one call
         if torch.device(device).type == "cuda":
-            from . import triton_attention  # imports triton only here, and only if it is installed
+            from ..kernels import triton_attention  # imports triton only here, and only if it is installed
             if triton_attention.available(device):
                 self.decode_attention = triton_attention.triton_decode_attention
         elif cpu_kernel:  # the CPU's in-place read, a compiled C++ kernel (where a C++ compiler built it)

@@ -9,6 +9,6 @@ apply and answers None, or keeps PyTorch's path, where they do not:
 * ``cpu_attention.py``: paged decode and prefill attention read in place (``csrc/paged_decode.cpp``,
   ``csrc/paged_prefill.cpp``).
 
-The decode layer in one call (``csrc/decode_layer.cpp``) is built from these by ``engine/cpu_decode_layers.py``.
+The decode layer in one call (``csrc/decode_layer.cpp``) is built from these by ``kernels/cpu_decode_layers.py``.
 Nothing here imports the model or the engine.
 """

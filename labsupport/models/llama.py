@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu_ops
-from .products import Linear, product
+from ..kernels.products import Linear, product
 
 
 @dataclass
@@ -130,7 +130,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """``apply_rope`` to q and k; on a GPU one Triton kernel does both (``fused_kernels.py``), on a CPU one C++
+    """``apply_rope`` to q and k; on a GPU one Triton kernel does both (``kernels/triton_ops.py``), on a CPU one C++
     loop once the engine has built it (``kernels/cpu_ops.py``: bit-identical, a millisecond off a decode step)."""
     if q.is_cuda and _gpu_kernels() is not None and q.shape[-1] in (16, 32, 64, 128, 256):
         return _gpu_kernels().triton_rope_qk(q, k, cos, sin)
@@ -140,7 +140,7 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 @functools.cache
 def _gpu_kernels():
-    from . import fused_kernels  # imports triton only on a GPU, and only if it is installed
+    from ..kernels import triton_ops as fused_kernels  # imports triton only on a GPU, and only if it is installed
     return fused_kernels if fused_kernels.triton is not None else None
 
 

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import cpu_attention, cpu_products
-from ..kernels.build import compile_extension
+from . import cpu_attention, cpu_products
+from .build import compile_extension
 from ..models.llama import LlamaForCausalLM, stacked_current
-from ..models.products import Linear
+from .products import Linear
 
 _module = None
 _why_not: str | None = None

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionBatch
-from .block_pool import slot_mapping
-from .paged_attention import DecodeRows, PagedAttention, paged_decode_attention
+from ..engine.attention import AttentionBatch
+from ..engine.block_pool import slot_mapping
+from ..engine.paged_attention import DecodeRows, PagedAttention, paged_decode_attention
 
 
 def capture_sizes(max_batch: int) -> list[int]:

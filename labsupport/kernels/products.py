@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import cpu_products
+from . import cpu_products
 
 # oneDNN's fp32 matmul, where this torch build has it (x86 CPUs): faster than the default BLAS path,
 # the 49152-wide LM head of a decode step most (benchmarks/README.md has the figures). Only where it
