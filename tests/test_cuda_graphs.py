@@ -72,8 +72,8 @@ def test_engine_with_graph_decode_makes_the_same_tokens():
     engine, cfg = llm.engine, llm.engine.model.config
     backend = PagedAttention(cfg.num_layers, 64, BS, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu",
                              scratch_block=True)
-    engine.backend = engine.runner.backend = backend
-    engine.runner.graphs = graphs = DecodeGraphs(engine.model, backend, 4, engine.max_model_len, capture=False)
+    graphs = DecodeGraphs(engine.model, backend, 4, engine.max_model_len, capture=False)
+    engine.backend, engine.runner = backend, ModelRunner(engine.model, backend, engine.device, executor=graphs)
     calls = []
     run = graphs.run
     graphs.run = lambda batch: calls.append(len(batch.requests)) or run(batch)
