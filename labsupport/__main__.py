@@ -98,7 +98,7 @@ def main(argv=None):
             print("CPU attention kernels: built" if built else f"{why_not}; engines will keep the PyTorch gather")
             built, why_not = cpu_ops.build()
             print("CPU model kernels: built" if built else f"{why_not}; the model keeps PyTorch's code")
-            from .engine import cpu_decode_layers
+            from .kernels import cpu_decode_layers
             built, why_not = cpu_decode_layers.available()
             print("CPU decode layer: built" if built else f"{why_not}; decode steps keep the Python layers")
         return 0

@@ -1,4 +1,4 @@
-"""Small decode steps on the CPU, one C++ call per layer (``engine/cpu_decode_layers.py``): the same tokens and
+"""Small decode steps on the CPU, one C++ call per layer (``kernels/cpu_decode_layers.py``): the same tokens and
 the same logprobs as the Python layers, bit for bit, and the Python layers wherever the C++ layer must step
 aside (more rows than the thin products take, an exercise's attention plugged in, quantized weights,
 ``enforce_eager``). Qwen2's q/k/v bias runs through it in ``tests/test_model_variants.py`` (tokens equal to
@@ -6,7 +6,8 @@ transformers'); Qwen3's q/k norm declines it there."""
 import pytest
 
 from labsupport import LLM, SamplingParams
-from labsupport.engine import cpu_decode_layers
+from labsupport.engine.runner import EagerStep
+from labsupport.kernels import cpu_decode_layers
 from labsupport.engine.paged_attention import paged_decode_attention
 
 from conftest import PROMPTS
@@ -27,8 +28,9 @@ def eager(llm):
 
 
 def test_the_same_tokens_and_logprobs_as_the_python_layers(built, llm, eager):
-    layers = llm.engine.runner.cpu_layers
-    assert layers is not None and eager.engine.runner.cpu_layers is None
+    layers = llm.engine.runner.executor
+    assert isinstance(layers, cpu_decode_layers.CpuDecodeLayers)
+    assert not isinstance(eager.engine.runner.executor, cpu_decode_layers.CpuDecodeLayers)
     from labsupport.kernels import cpu_products
     thin = cpu_products.thin_rows()  # the rows the C++ layers take: 3 with AVX-512, 2 with AVX2
     for batch in (1, 2, 3, 5):
@@ -45,7 +47,7 @@ def test_the_same_tokens_and_logprobs_as_the_python_layers(built, llm, eager):
 
 def test_an_exercises_attention_keeps_the_python_layers(built, llm, eager):
     """A plugged ``decode_attention`` must run: the C++ layer would read the pool without it."""
-    layers, calls = llm.engine.runner.cpu_layers, []
+    layers, calls = llm.engine.runner.executor, []
 
     def attendees(q, k_pool, v_pool, rows, block_size):
         calls.append(q.shape[0])
@@ -64,16 +66,16 @@ def test_a_replaced_weight_is_read_and_quantized_layers_keep_python(built, llm):
     import torch
     from labsupport.models.quantize import quantize_model
     own = LLM(model=llm.engine.model_path, device="cpu", num_blocks=64)
-    runner, layers = own.engine.runner, own.engine.runner.cpu_layers
+    runner, layers = own.engine.runner, own.engine.runner.executor
     own.generate(PROMPTS[:1], PARAMS, use_tqdm=False)  # its weights are read and kept
     down = own.engine.model.model.layers[3].mlp.down_proj
     down.weight = torch.nn.Parameter(down.weight.detach() * 1.5, requires_grad=False)
     before = layers.num_steps
     fast = own.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0]
     assert layers.num_steps > before
-    runner.cpu_layers = None
+    runner.executor = EagerStep(runner.model, runner.backend)  # the Python layers, on the same pools
     slow = own.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0]
-    runner.cpu_layers = layers
+    runner.executor = layers
     assert fast.token_ids == slow.token_ids and fast.logprobs == slow.logprobs
     quantize_model(own.engine.model, "int8")
     before = layers.num_steps
@@ -81,4 +83,4 @@ def test_a_replaced_weight_is_read_and_quantized_layers_keep_python(built, llm):
     assert len(out.token_ids) == 12 and layers.num_steps == before
     quantized = LLM(model=llm.engine.model_path, device="cpu", quantization="int8", num_blocks=64)
     out = quantized.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0]
-    assert len(out.token_ids) == 12 and quantized.engine.runner.cpu_layers.num_steps == 0
+    assert len(out.token_ids) == 12 and quantized.engine.runner.executor.num_steps == 0

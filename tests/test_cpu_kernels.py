@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from labsupport import SamplingParams
-from labsupport.kernels import build as builder, cpu_ops, cpu_products
-from labsupport.models.llama import ModelConfig, RMSNorm, apply_rope, product, rope_frequencies, rope_qk
+from labsupport.kernels import build as builder, cpu_ops, cpu_products, select
+from labsupport.kernels.products import product
+from labsupport.models.llama import Linear, ModelConfig, RMSNorm, apply_rope, rope_frequencies, use_kernels
 
 from conftest import PROMPTS
 
@@ -50,12 +51,12 @@ def test_rope_is_bit_identical_to_apply_rope(built, tokens, heads, kv_heads, hea
 
 
 def test_rope_declines_what_it_cannot_do(built):
-    """Autograd watching, another dtype: ``rope_qk`` falls back to ``apply_rope`` and gradients still flow."""
+    """Autograd watching, another dtype: the CPU's ``rope_qk`` falls back to ``apply_rope`` and gradients still flow."""
     q = torch.randn(3, 4, 32, requires_grad=True)
     k = torch.randn(3, 2, 32)
     cos, sin = angles(torch.arange(3), 32)
     assert cpu_ops.cpu_rope_qk(q, k, cos, sin) is None
-    rq, rk = rope_qk(q, k, cos, sin)
+    rq, rk = select.cpu().rope_qk(q, k, cos, sin)
     rq.sum().backward()
     assert q.grad is not None and torch.equal(rk, apply_rope(k, cos, sin))
     half = (q.detach().bfloat16(), k.bfloat16(), cos.bfloat16(), sin.bfloat16())
@@ -115,13 +116,15 @@ def test_panel_product_equals_the_matrix_product(built, n, k):
 def test_a_linear_takes_the_panels_while_they_are_its_weight(built):
     """``pack_cpu_weights`` gives a whole-panel matrix panels (others oneDNN's layout); ``product`` reads them up
     to ``PANEL_ROWS`` rows, takes oneDNN beyond, and the plain weight once it is rewritten or replaced."""
-    from labsupport.models import products
+    from labsupport.kernels import products
     torch.manual_seed(0)
     width = cpu_products.panel_width()  # 32 with AVX-512, 16 with AVX2
     if not width:
         pytest.skip("no panel product on this CPU (neither AVX-512 nor AVX2)")
-    panelled, odd = products.Linear(48, 6 * width, bias=True), products.Linear(48, 5 * width + 8, bias=False)
-    products.pack_cpu_weights(torch.nn.Sequential(panelled, odd), {})
+    panelled, odd = Linear(48, 6 * width, bias=True), Linear(48, 5 * width + 8, bias=False)
+    both = torch.nn.Sequential(panelled, odd)
+    products.pack_cpu_weights(both, {})
+    use_kernels(both, select.cpu())
     assert panelled.packed[0].dim() == 3 and not panelled.packed[0].is_mkldnn  # panels
     assert odd.packed is None or odd.packed[0].is_mkldnn  # not whole panels: oneDNN's layout
     with torch.inference_mode():
@@ -147,12 +150,13 @@ def test_panel_product_declines_what_it_cannot_do(built):
 
 @pytest.mark.parametrize("rows, features", [(1, 576), (3, 24), (32, 64), (257, 960), (2048, 4096)])
 def test_rms_norm_equals_the_reference(built, rows, features):
-    """``RMSNorm`` in float32 on the CPU runs the C++ pass: within a few units in the last place of the reference
+    """``RMSNorm`` with the CPU's kernels, in float32, runs the C++ pass: within a few units in the last place of the reference
     lines (transformers' ``LlamaRMSNorm``) at any scale of the input and any width (24: not whole vectors),
     on a strided view too. With autograd watching it runs ``F.rms_norm``, which is the reference to the bit."""
     torch.manual_seed(rows)
     norm = RMSNorm(features, 1e-5)
     norm.weight.data = torch.randn(features)
+    use_kernels(norm, select.cpu())
     for scale in (1e-3, 1.0, 1e3):
         x = torch.randn(rows, 2 * features)[:, ::2] * scale  # every other column: not contiguous
         reference = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))

@@ -1,4 +1,4 @@
-"""``engine/cpu_memory.py``: freed activation memory stays in the process, so the next step's tensors
+"""``kernels/cpu_memory.py``: freed activation memory stays in the process, so the next step's tensors
 of the same size do not fault their pages in again. Counted with the kernel's own page-fault counter
 (``getrusage``), in fresh interpreters: the setting is process-wide and applied once."""
 import os
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ve
 PROBE = """
 import resource, sys, torch
 import labsupport.llm  # an engine process's imports (transformers, ...): the heap an engine's steps meet
-from labsupport.engine import cpu_memory
+from labsupport.kernels import cpu_memory
 applied = cpu_memory.keep_freed_memory() if sys.argv[1] == "keep" else False
 torch.empty(16 << 20).fill_(1)  # 64 MB, the size of a prefill step's gate/up product
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

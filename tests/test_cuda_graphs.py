@@ -1,4 +1,4 @@
-"""CUDA-graph decode (``engine/cuda_graphs.py``), checked on the CPU: ``capture=False`` runs the very
+"""CUDA-graph decode (``kernels/cuda_graphs.py``), checked on the CPU: ``capture=False`` runs the very
 forward a graph would record, from the static buffers, so a wrong slot, table row or padding row
 shows here as a different logit or token. The graphs themselves are checked by ``make gpu-check``."""
 import random
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from labsupport import LLM, SamplingParams
-from labsupport.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from labsupport.kernels.cuda_graphs import DecodeGraphs, capture_sizes
 from labsupport.engine.paged_attention import PagedAttention
 from labsupport.engine.runner import ModelRunner
 from labsupport.engine.scheduler import SchedulerOutput
@@ -72,8 +72,8 @@ def test_engine_with_graph_decode_makes_the_same_tokens():
     engine, cfg = llm.engine, llm.engine.model.config
     backend = PagedAttention(cfg.num_layers, 64, BS, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu",
                              scratch_block=True)
-    engine.backend = engine.runner.backend = backend
-    engine.runner.graphs = graphs = DecodeGraphs(engine.model, backend, 4, engine.max_model_len, capture=False)
+    graphs = DecodeGraphs(engine.model, backend, 4, engine.max_model_len, capture=False)
+    engine.backend, engine.runner = backend, ModelRunner(engine.model, backend, engine.device, executor=graphs)
     calls = []
     run = graphs.run
     graphs.run = lambda batch: calls.append(len(batch.requests)) or run(batch)

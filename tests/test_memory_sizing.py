@@ -13,7 +13,8 @@ import torch
 from labsupport import LLM, SamplingParams
 from labsupport.engine import build
 from labsupport.engine.config import EngineConfig, gpu_kv_cache_bytes
-from labsupport.models import llama, loader, products
+from labsupport.kernels import products, select
+from labsupport.models import llama, loader
 
 GiB = 2**30
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -268,8 +269,9 @@ def test_engines_of_one_model_share_its_packed_cpu_weights(tiny_folder):
 @needs_onednn
 def test_a_packed_linear_equals_the_plain_one_and_notices_a_rewritten_weight():
     torch.manual_seed(0)
-    m = products.Linear(48, 80, bias=True)
+    m = llama.Linear(48, 80, bias=True)
     products.pack_cpu_weights(torch.nn.Sequential(m), {})
+    llama.use_kernels(m, select.cpu())
     for rows in (1, 5, 70, 300):  # decode- and prefill-sized
         x = torch.randn(rows, 48)
         torch.testing.assert_close(m(x), torch.nn.functional.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)

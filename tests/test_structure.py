@@ -1,4 +1,5 @@
-"""The package's shape: no two modules import each other, and the C++ lives in ``kernels/csrc``, not in strings.
+"""The package's shape: no two modules import each other, the C++ lives in ``kernels/csrc``, not in strings, and
+the fast paths live in ``kernels/``, apart from the model and the engine attendees read.
 
 Imports are read from the source (``ast``), every one of them: at the top of a file, inside a function, under
 ``TYPE_CHECKING``. A module that imports another which imports it back reads as two halves of one idea, and
@@ -48,8 +49,8 @@ def test_no_two_modules_import_each_other():
 def test_the_import_reader_sees_function_level_and_relative_imports():
     """The reader above, on files whose imports are known: a function-level one, ``from .. import``, a module
     named in ``from . import``."""
-    assert "labsupport.kernels.cpu_attention" in imported_modules("labsupport.engine.paged_attention")
-    assert "labsupport.kernels.cpu_ops" in imported_modules("labsupport.models.llama")
+    assert "labsupport.kernels.triton_attention" in imported_modules("labsupport.kernels.select")  # in a function
+    assert "labsupport.kernels.select" in imported_modules("labsupport.engine.paged_attention")
     assert "labsupport.kernels.build" in imported_modules("labsupport.kernels.cpu_ops")  # from . import build as ...
     assert "labsupport.engine.scheduler" in imported_modules("labsupport.engine.engine")
 
@@ -128,3 +129,55 @@ def test_the_test_tiers_name_only_files_that_exist():
     here = {p.name for p in Path(__file__).parent.glob("test_*.py")}
     assert conftest.MODEL_FREE <= here and conftest.SERVERS <= here, (conftest.MODEL_FREE | conftest.SERVERS) - here
     assert not conftest.MODEL_FREE & conftest.SERVERS
+
+
+MODEL = ROOT / "models" / "llama.py"
+# what asks which device a tensor is on, or reaches a device's kernels past the kernel set
+DEVICE_BRANCH = re.compile(r"\bis_cuda\b|\.device\.type\b|_gpu_kernels|\bcpu_ops\.|\bcpu_products\.|\btriton_ops\.")
+# the functions a kernel set is made of: only kernels/ calls them (select.py chooses them for the model and backend)
+KERNEL_FUNCTIONS = {"cpu_rope_qk", "cpu_rms_norm", "cpu_silu_mul", "thin_product", "panel_product", "product",
+                    "triton_rope_qk", "triton_silu_mul", "cpu_decode_attention", "cpu_prefill_attention",
+                    "triton_decode_attention"}
+KERNEL_MODULES = {"cpu_ops", "cpu_products", "products", "triton_ops", "cpu_attention", "triton_attention"}
+
+
+def test_the_model_reads_in_a_sitting_with_at_most_two_device_branches():
+    """``models/llama.py`` as gpt-fast's model: plain PyTorch, short, its fast paths behind one ``Kernels`` seam."""
+    source = MODEL.read_text()
+    assert len(source.splitlines()) <= 260
+    branches = DEVICE_BRANCH.findall(source)
+    assert len(branches) <= 2, f"device branches in llama.py: {branches}"
+    assert not {m for m in imported_modules("labsupport.models.llama") if m.startswith("labsupport.kernels")}
+
+
+def test_no_fast_path_module_is_left_in_the_engine_or_the_model():
+    """Triton, CUDA graphs, compiled extensions and the C library's allocator are ``kernels/``' business."""
+    found = []
+    for name, path in MODULES.items():
+        if name.startswith(("labsupport.engine.", "labsupport.models.")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    names = [a.name for a in node.names] + ([node.module] if getattr(node, "module", None) else [])
+                    found += [f"{name}: imports {n}" for n in names if n.split(".")[0] in ("triton", "ctypes")]
+                elif isinstance(node, ast.Attribute) and node.attr in ("CUDAGraph", "load_inline", "compile_extension"):
+                    found.append(f"{name}: {node.attr}")
+    assert not found, found
+    moved = {"products", "fused_kernels", "triton_attention", "cuda_graphs", "cpu_decode_layers", "cpu_memory"}
+    assert not {p.stem for p in (ROOT / "engine").glob("*.py")} & moved
+    assert not {p.stem for p in (ROOT / "models").glob("*.py")} & moved
+
+
+def test_only_select_decides_the_kernel_set():
+    """Outside ``kernels/`` (and ``bench/``, which measures the kernels one by one) no module calls a kernel
+    function or imports one by name: the model and the attention backend get theirs from ``kernels/select.py``."""
+    found = []
+    for name, path in MODULES.items():
+        if name.startswith(("labsupport.kernels", "labsupport.bench")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr in KERNEL_FUNCTIONS and isinstance(node.value, ast.Name)
+                    and node.value.id in KERNEL_MODULES):
+                found.append(f"{name}: {node.value.id}.{node.attr}")
+            elif isinstance(node, ast.ImportFrom) and any(a.name in KERNEL_FUNCTIONS for a in node.names):
+                found.append(f"{name}: from {node.module} import {[a.name for a in node.names]}")
+    assert not found, found

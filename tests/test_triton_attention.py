@@ -45,7 +45,7 @@ def test_under_the_interpreter():
 
 @pytest.fixture(scope="module")
 def kernel():
-    import labsupport.engine.triton_attention as module
+    import labsupport.kernels.triton_attention as module
     assert module.INTERPRETED and type(module._decode_kernel).__name__ == "InterpretedFunction"
     assert module.available("cpu")
     return module
@@ -109,7 +109,7 @@ def test_engine_gives_the_same_greedy_tokens_with_the_kernel(kernel, llm, monkey
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_kernel_equals_apply_rope(heads, kv_heads, head_dim, dtype):
     """q and k as the model hands them over: non-contiguous views of one stacked q/k/v product."""
-    import labsupport.models.fused_kernels as module
+    import labsupport.kernels.triton_ops as module
     from labsupport.models.llama import LlamaForCausalLM, apply_rope
     from labsupport.models.loader import RANDOM_MODELS
     import dataclasses
@@ -137,7 +137,7 @@ def test_rope_kernel_equals_apply_rope(heads, kv_heads, head_dim, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_kernel(dtype):
     import torch.nn.functional as F
-    import labsupport.models.fused_kernels as module
+    import labsupport.kernels.triton_ops as module
     gate_up = torch.randn(5, 2 * 1500).to(dtype)  # not a multiple of the kernel's block
     gate, up = gate_up.float().chunk(2, dim=-1)
     tol = 1e-5 if dtype == torch.float32 else 2e-2

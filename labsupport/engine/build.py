@@ -10,6 +10,9 @@ import json
 
 import torch
 
+from ..kernels import select
+from ..kernels.cpu_decode_layers import CpuDecodeLayers
+from ..kernels.cuda_graphs import DecodeGraphs
 from ..models.loader import device_memory, load_model
 from .attention import ContiguousAttention, RecomputeAttention
 from .config import CPU_KV_CACHE_BYTES, EngineConfig, gpu_kv_cache_bytes
@@ -60,19 +63,32 @@ def uses_cuda_graphs(c: EngineConfig, device) -> bool:
     """Decode steps replay CUDA graphs on a GPU with the Triton kernel, unless ``enforce_eager``."""
     if torch.device(device).type != "cuda" or c.enforce_eager or c.kv_cache != "paged":
         return False
-    from . import triton_attention
+    from ..kernels import triton_attention
     return triton_attention.available(device)
 
 
-def uses_cpu_decode_layers(c: EngineConfig, device, backend) -> bool:
+def uses_cpu_decode_layers(c: EngineConfig, device, backend, model) -> bool:
     """Small decode steps run a C++ call per layer on a CPU whose decode kernel is built, in float32, unless
-    ``enforce_eager`` (built here, once per machine, as the other kernels; ``cpu_decode_layers.py``)."""
-    pools = getattr(backend, "k_pool", None)
+    ``enforce_eager`` (built here, once per machine, as the other kernels; ``kernels/cpu_decode_layers.py``)."""
     if (torch.device(device).type != "cpu" or c.enforce_eager or c.kv_cache != "paged" or not c.cpu_decode_kernel
-            or not pools or pools[0].dtype != torch.float32):
+            or not getattr(backend, "k_pool", None)):
         return False
-    from . import cpu_decode_layers
-    return cpu_decode_layers.available()[0]
+    return CpuDecodeLayers.applies(model, backend)
+
+
+def step_executor(c: EngineConfig, model, backend, device):
+    """How the runner runs a step's forward on this device, chosen once: CUDA graphs where the backend was made
+    for them (``uses_cuda_graphs``), the CPU's C++ decode layers where they apply, else None (the Python layers)."""
+    if getattr(backend, "scratch_slot", None) is not None:
+        return DecodeGraphs(model, backend, c.max_num_seqs, c.max_model_len)
+    if uses_cpu_decode_layers(c, device, backend, model):
+        return CpuDecodeLayers(model, backend)
+    return None
+
+
+def model_kernels(model, device):
+    """The model's kernels for its device and dtype (``kernels/select.py``), given to it once, here."""
+    model.use_kernels(select.select(device, next(model.parameters()).dtype))
 
 
 def chunk_cost_context(c: EngineConfig, cfg) -> int:

@@ -54,7 +54,7 @@ class EngineConfig:
     # default): from the model's widths (build.chunk_cost_context). Without chunked prefill it does nothing
     scheduling_policy: str = "continuous"  # or "static": the baseline of chapter 04
     enforce_eager: bool = False  # True: every layer from Python; else a GPU replays decode steps from CUDA graphs
-    # (engine/cuda_graphs.py) and a CPU runs small float32 decode steps a C++ call a layer (engine/cpu_decode_layers.py)
+    # (kernels/cuda_graphs.py) and a CPU runs small float32 decode steps a C++ call a layer (kernels/cpu_decode_layers.py)
     kv_transfer_config: dict | None = None  # chapter 07: a KV connector, as vLLM's --kv-transfer-config
     speculative_config: dict | None = None  # chapter 09: {"method": "ngram"|"draft_model", ...}, as vLLM's
     quantization: str | None = None  # chapter 09: weight-only "int8" (per channel) or "int4" (groups of 32)

@@ -18,10 +18,9 @@ import torch
 
 from ..kernels import cpu_ops
 from ..models.loader import load_model, resolve_device
-from . import build, cpu_memory
+from ..kernels import cpu_memory
+from . import build
 from .config import EngineConfig
-from .cpu_decode_layers import CpuDecodeLayers
-from .cuda_graphs import DecodeGraphs
 from .detokenizer import IncrementalDetokenizer, catch_up
 from .kv_cache_manager import ContiguousKVManager, KVCacheManager
 from .limits import EngineLimits
@@ -49,12 +48,11 @@ class LLMEngine(PlugPoints):
         self.config = dataclasses.replace(config, max_model_len=min(config.max_model_len or min(limit, 8192), limit),
                                           chunk_cost_context=build.chunk_cost_context(config, self.model.config))
         self.draft_model = build.load_draft(self.config, self.model, self.device)  # ch. 09: its KV shares the pool
+        for model in (self.model, self.draft_model) if self.draft_model else (self.model,):
+            build.model_kernels(model, self.device)  # the device's kernels (kernels/select.py), chosen once
         self.kv, self.backend = build.kv_and_backend(self.config, self.model, self.device, self.draft_model)
-        self.runner = ModelRunner(self.model, self.backend, self.device)
-        if getattr(self.backend, "scratch_slot", None) is not None:  # made for CUDA graphs (build.uses_cuda_graphs)
-            self.runner.graphs = DecodeGraphs(self.model, self.backend, self.config.max_num_seqs, self.max_model_len)
-        elif build.uses_cpu_decode_layers(self.config, self.device, self.backend):
-            self.runner.cpu_layers = CpuDecodeLayers(self.model, self.backend)
+        self.runner = ModelRunner(self.model, self.backend, self.device,
+                                  build.step_executor(self.config, self.model, self.backend, self.device))
         self.scheduler = Scheduler(self.config, self.kv, build.eos_token_ids(self.tokenizer, self.model_path))
         self.connector = None  # chapter 07: KV to and from other engines (kv_transfer_config)
         if self.config.kv_transfer_config is not None:
@@ -226,7 +224,7 @@ class LLMEngine(PlugPoints):
                 self.kv.caches.clear()
             if isinstance(self.kv, KVCacheManager):
                 self.kv.cpu_tier = None  # its views would keep the pool alive
-            self.model = self.runner.model = self.runner.graphs = self.runner.cpu_layers = None
+            self.model = self.runner.model = self.runner.executor = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             else:  # the pool's pages back to the system now, not kept by malloc for a pool that never returns

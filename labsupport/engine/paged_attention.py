@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import select
 from .attention import AttentionBackend, AttentionBatch, sdpa
 from .block_pool import slot_mapping
 
@@ -72,8 +73,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     b, h, _ = q.shape
     # Whole blocks, gathered as rows of the pool seen as [Hkv * blocks, block_size * D]: row
     # head * blocks + block is one block of one head, so each gathered row is one contiguous copy.
-    # (Indexing blocks along dim 1 of [Hkv, blocks, ...] instead was 4x slower here, and indexing
-    # slot by slot 2x slower than that.)
+    # (Indexing blocks along dim 1 of [Hkv, blocks, ...] instead was slower, and slot by slot slower still:
+    # benchmarks/README.md.)
     blocks = slots // block_size
     rows_of = (rows.block_tables.flatten()[None, :] + torch.arange(hkv, device=q.device)[:, None] * blocks).flatten()
     keys = k_pool.view(hkv * blocks, block_size * d).index_select(0, rows_of).view(hkv, b, -1, d)  # [Hkv, B, S, D]
@@ -107,20 +108,12 @@ class PagedAttention(AttentionBackend):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device = device
         self.slot_mapping = slot_mapping  # chapter 02's exercise plugs the attendee's own in here
-        self.decode_attention = paged_decode_attention  # gathers the blocks; a GPU reads them in place:
-        self.prefill_kernel = None  # or every prefill sequence of a step in one call, read in place (the CPU's)
+        # the gather and the per-sequence path below, unless a device reads the pool in place (kernels/select.py:
+        # Triton on a GPU, where installed; C++ on a CPU if cpu_kernel and a compiler built it)
+        decode, prefill = select.attention(device, dtype, head_dim, cpu_kernel)
+        self.decode_attention = decode or paged_decode_attention
+        self.prefill_kernel = prefill  # or None: every prefill sequence of a step in one call, read in place
         self.mixed_attention = None  # chapter 02's plug point: every row of a step, prefill or decode, in one call
-        if torch.device(device).type == "cuda":
-            from . import triton_attention  # imports triton only here, and only if it is installed
-            if triton_attention.available(device):
-                self.decode_attention = triton_attention.triton_decode_attention
-        elif cpu_kernel:  # the CPU's in-place read, a compiled C++ kernel (where a C++ compiler built it)
-            from ..kernels import cpu_attention
-            if not cpu_attention.available()[0]:
-                cpu_attention.warn_once_not_built()
-            elif cpu_attention.kernel_applies(dtype, head_dim):  # float32, whole vectors; else the gather
-                self.decode_attention = cpu_attention.cpu_decode_attention
-                self.prefill_kernel = cpu_attention.cpu_prefill_attention
         # one block past the allocator's: CUDA graphs' padding rows write there (cuda_graphs.py)
         self.scratch_slot = num_blocks * block_size if scratch_block else None
         self.connector = None  # chapter 07: a KV connector's per-layer hooks run around each layer's attention

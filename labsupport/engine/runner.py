@@ -17,18 +17,35 @@ from .spec_decode import rejection_sample
 from .scheduler import SchedulerOutput
 
 
+class EagerStep:
+    """The plain way to run a step: the model's Python layers, every step. A device's faster way (CUDA graphs,
+    the CPU's C++ decode layers: ``kernels/``) has the same two methods, and is chosen once, when the engine is
+    built (``build.step_executor``)."""
+
+    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend):
+        self.model, self.backend = model, backend
+
+    def decode_logits(self, batch: SchedulerOutput) -> torch.Tensor | None:
+        """Logits of a decode-only step computed without its metadata (a CUDA graph's replay); None: not here."""
+        return None
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionBatch) -> torch.Tensor:
+        """The hidden states of the step's tokens."""
+        return self.model(token_ids, positions, self.backend, meta)
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, device: torch.device):
+    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, device: torch.device, executor=None):
         self.model, self.backend, self.device = model, backend, device
         self.sampler = Sampler()
         self.rejection_sample = rejection_sample  # chapter 09's plug point: the acceptance rule
-        self.graphs = None  # DecodeGraphs on a GPU (cuda_graphs.py): decode-only steps replay a CUDA graph
-        self.cpu_layers = None  # CpuDecodeLayers on a CPU (cpu_decode_layers.py): small decode steps, a C++ call a layer
+        self.executor = executor or EagerStep(model, backend)  # how a step's forward runs on this device
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> list[int]:
-        if self.graphs is not None and self.graphs.backend is self.backend and self.graphs.can_run(batch):
-            return self.sampler.sample(self.graphs.run(batch), batch.requests)
+        logits = self.executor.decode_logits(batch)
+        if logits is not None:
+            return self.sampler.sample(logits, batch.requests)
         token_ids, positions = [], []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
@@ -39,11 +56,7 @@ class ModelRunner:
         meta = self.backend.prepare(batch.requests, batch.num_new_tokens)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = None
-        if self.cpu_layers is not None and self.cpu_layers.can_run(ids, meta):
-            hidden = self.cpu_layers.forward(ids, pos, meta)  # None: a layer is not as loaded
-        if hidden is None:
-            hidden = self.model(ids, pos, self.backend, meta)
+        hidden = self.executor.forward(ids, pos, meta)
         guesses = num_guesses(batch)
         if any(guesses):
             return self._verify(hidden, batch, meta.query_offsets, guesses)

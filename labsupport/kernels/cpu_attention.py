@@ -3,7 +3,7 @@
 
 ``paged_attention.paged_decode_attention`` stays in plain PyTorch, so it must *gather* each
 sequence's blocks into a padded batch before its two matmuls: at batch 32 the gather writes and
-re-reads as many bytes as the attention itself reads (about 350 MB per step, the weights are 540 MB).
+re-reads as many bytes as the attention itself reads (``benchmarks/README.md`` has the step's bytes).
 vLLM's CPU backend and the GPU's Triton kernel (``triton_attention.py``) read the blocks where they
 lie instead. This is the same idea for the CPU, written as plainly as the loop it replaces: for
 each (sequence, KV head), scores of the head group's queries against every key of the context,

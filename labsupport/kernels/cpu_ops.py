@@ -2,7 +2,7 @@
 
 A decode step of one sequence is mostly the products' weight reads (``cpu_products.py``); around them
 each layer runs a dozen small operators on a few thousand numbers, where PyTorch spends its time in
-dispatch, not arithmetic. These kernels do that work in one call each (``fused_kernels.py`` has their
+dispatch, not arithmetic. These kernels do that work in one call each (``triton_ops.py`` has their
 twins for GPUs; what each saved, measured: ``benchmarks/README.md``):
 
 **RoPE of q and k in one call** (``cpu_rope_qk``).
@@ -78,7 +78,7 @@ def cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float):
 
 def cpu_silu_mul(gate_up: torch.Tensor):
     """``silu(gate) * up`` of the stacked [T, 2I] gate/up product in one C++ pass, or None where it does not
-    apply; the CPU's twin of ``fused_kernels.triton_silu_mul``."""
+    apply; the CPU's twin of ``triton_ops.triton_silu_mul``."""
     module = extension()
     if module is None or gate_up.dim() != 2 or not _applies(gate_up):
         return None

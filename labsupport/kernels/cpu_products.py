@@ -1,7 +1,7 @@
 """The products' compiled C++ kernels on the CPU (``csrc/products.cpp``): ``x @ weight.T + bias`` for the few
 rows of a decode step.
 
-``models/products.py`` routes each product to these or to oneDNN, by the number of rows, where each was
+``kernels/products.py`` routes each product to these or to oneDNN, by the number of rows, where each was
 measured to be faster (``benchmarks/README.md``: the figures, Zen 5 with AVX-512, default model, float32):
 
 **Thin products** (``thin_product``): ``x @ weight.T`` for one to three rows of ``x``, a decode step of

@@ -73,7 +73,7 @@ def ensure(cache: Path, folder: Path, stamp: tuple, tied: bool, build) -> bool:
                 else:
                     unsavable.add(path)
                 del net
-                from ..engine.cpu_memory import release_freed_memory
+                from ..kernels.cpu_memory import release_freed_memory
                 release_freed_memory()  # the built copies: give their pages back, the file's take their place
     except OSError as exc:
         log.warning("cannot write the CPU weights file %s (%s): each process keeps its own copy", path, exc)

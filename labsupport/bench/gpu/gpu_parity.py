@@ -45,7 +45,7 @@ def check_parity(device, quick: bool) -> dict:
                                 enforce_eager=True)}
         ours = engines["graphs"].engine.model
         hf = hf_model(ours.config, ours.state_dict(), device)
-        row = {"graphs_on": engines["graphs"].engine.runner.graphs is not None,
+        row = {"graphs_on": type(engines["graphs"].engine.runner.executor).__name__ == "DecodeGraphs",
                "decode_path": engines["graphs"].engine.backend.decode_attention.__name__}
         with torch.inference_mode():
             ids = PROMPTS[0]

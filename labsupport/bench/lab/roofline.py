@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ...kernels import cpu_ops
 from ...models.llama import ModelConfig
-from ...models.products import pack_weight, packed_copy, product
+from ...kernels.products import pack_weight, packed_copy, product
 
 DECODE_BATCHES = (1, 4, 16, 32, 64)
 PREFILL_SHAPE = (2048, 576, 1536)  # M x K x N: a 2048-token prefill through a SmolLM2-sized MLP

@@ -1,4 +1,4 @@
-// One decoder layer in one call (why, and its Python side: engine/cpu_decode_layers.py). Compiled in one
+// One decoder layer in one call (why, and its Python side: kernels/cpu_decode_layers.py). Compiled in one
 // translation unit after model_ops.cpp, products.cpp and paged_decode.cpp, whose kernels it calls.
 #include "vectors.h"
 

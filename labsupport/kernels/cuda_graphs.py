@@ -1,8 +1,8 @@
 """Decode steps replayed from CUDA graphs: the GPU runs the step without Python launching each kernel.
 
 A decode step of a small model on a GPU is a few hundred tiny kernels (norms, projections,
-RoPE, the attention kernel, per layer). Launched one by one from Python each costs ~5-10 us of
-CPU time, and for SmolLM2-135M that launch time, not the GPU, sets the step time. A CUDA graph
+RoPE, the attention kernel, per layer). Launched one by one from Python each costs microseconds of
+CPU time, and for SmolLM2-135M that launch time, not the GPU, sets the step time (``benchmarks/README.md``). A CUDA graph
 records the kernels of one forward once and replays them with one call. vLLM does the same
 (``cudagraph_capture_sizes``); this file is its idea in ~150 lines.
 
@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionBatch
-from .block_pool import slot_mapping
-from .paged_attention import DecodeRows, PagedAttention, paged_decode_attention
+from ..engine.attention import AttentionBatch
+from ..engine.block_pool import slot_mapping
+from ..engine.paged_attention import DecodeRows, PagedAttention, paged_decode_attention
+from ..engine.runner import EagerStep
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -37,7 +38,9 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sorted(set(sizes))
 
 
-class DecodeGraphs:
+class DecodeGraphs(EagerStep):
+    """A GPU's step executor (``ModelRunner(executor=...)``): decode-only steps replay a graph, others run eagerly."""
+
     def __init__(self, model, backend: PagedAttention, max_batch: int, max_model_len: int, capture: bool = True):
         if backend.scratch_slot is None:
             raise ValueError("decode graphs need a scratch block: PagedAttention(..., scratch_block=True)")
@@ -58,6 +61,9 @@ class DecodeGraphs:
         self.logits: dict[int, torch.Tensor] = {}  # each graph's output buffer
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.decode_fn = backend.decode_attention  # graphs captured with this kernel; another one: run eagerly
+
+    def decode_logits(self, batch) -> torch.Tensor | None:
+        return self.run(batch) if self.can_run(batch) else None
 
     def can_run(self, batch) -> bool:
         return (0 < len(batch.requests) <= self.max_batch

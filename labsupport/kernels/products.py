@@ -1,4 +1,4 @@
-"""How the model's products ``x @ weight.T + bias`` run: which path for which device, rows and layout.
+"""How the model's products ``x @ weight.T + bias`` run on a CPU in float32: which path for which rows and layout.
 
 Almost all of a forward pass is these products (121 of them in a SmolLM2 step), and on a CPU in float32
 the fastest path depends on how many rows ``x`` has (measured, the model's products one after another
@@ -11,9 +11,8 @@ and whole decode steps: ``benchmarks/README.md``):
   keeps a 12 x 32 block of sums in registers, and beats oneDNN's own packed copy, which packs for 32
   rows and at 33-64 does the work of 64.
 * **More rows** (prefill): oneDNN on the plain weight, faster than ``F.linear`` with this torch build.
-  Its packed copy is a little faster in the products alone, but whole W1 and WV runs with that copy kept
-  beside the panels moved by less than the machine's noise, so the panels take its place rather than
-  0.54 GB more.
+  Its packed copy is a little faster in the products alone, but whole runs with that copy kept beside the
+  panels did not move beyond the machine's noise, so the panels take its place rather than the memory twice.
 
 Where the C++ kernels are not built (no compiler) or a weight's rows are not a whole number of panels,
 the copy is oneDNN's packed layout instead, used at every size, as before the panels. Autograd, GPUs and
@@ -28,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import cpu_products
+from ..models.llama import Linear
+from . import cpu_products
 
 # oneDNN's fp32 matmul, where this torch build has it (x86 CPUs): faster than the default BLAS path,
 # the 49152-wide LM head of a decode step most (benchmarks/README.md has the figures). Only where it
@@ -60,15 +60,6 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias, packed=None) -> torch.T
     return F.linear(x, weight, bias)
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` (same weights, same names) whose product is ``product``: packed on an x86 CPU."""
-
-    packed = None  # pack_weight's (copy, data_ptr and version of the weight it was made from)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return product(x, self.weight, self.bias, self.packed)
-
-
 def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
     """A float32 CPU weight's copy for ``product``: panels where the C++ kernels are built and the rows fill
     whole panels, else oneDNN's packed layout on x86 (an opaque ``is_mkldnn`` tensor); None elsewhere."""
@@ -90,14 +81,13 @@ def pack_cpu_weights(model: nn.Module, cache: dict):
     """Give every fp32 product on the CPU a copy of its weight in the layout its fast path reads.
 
     A plain [out, in] matrix makes a blocked product re-lay the weight as it goes; packed once, a product
-    streams it in the order its kernel reads (oneDNN's packed copy was 1.5-1.8x faster than its plain-weight
-    path at 4 rows on the AVX2 machine). The copy costs the matrices' size again (about 0.54 GB for
-    SmolLM2-135M), once per process: ``cache`` is kept by the shared weights (``loader.shared_weights``), so
+    streams it in the order its kernel reads (the figures: ``benchmarks/README.md``). The copy costs the
+    matrices' size again, once per process: ``cache`` is kept by the shared weights (``loader.shared_weights``), so
     every engine of the model uses the same copies. Matrices stacked by ``fuse_projections`` are packed as
     the stack. A weight written or replaced afterwards is noticed (its version or address changes) and its
     product goes back to the plain path. The layout is chosen by what is built now: the engine builds the
     C++ kernels before it loads the model. The model's stacks are found by their attributes (``llama.Attention``'s
-    ``qkv``, ``llama.MLP``'s ``gate_up``), as ``llama.py`` imports this file."""
+    ``qkv``, ``llama.MLP``'s ``gate_up``)."""
 
     def packed(key, w):
         if key not in cache:

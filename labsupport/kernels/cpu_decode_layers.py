@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import cpu_attention, cpu_products
-from ..kernels.build import compile_extension
-from ..models.llama import LlamaForCausalLM, stacked_current
-from ..models.products import Linear
+from . import cpu_attention, cpu_products
+from .build import compile_extension
+from ..engine.runner import EagerStep
+from ..models.llama import LlamaForCausalLM, Linear, stacked_current
 
 _module = None
 _why_not: str | None = None
@@ -53,28 +53,42 @@ def available() -> tuple[bool, str]:
     return _module is not None, _why_not or ""
 
 
-class CpuDecodeLayers:
-    """``forward`` runs a decode-only step of at most ``thin_rows()`` tokens one C++ call per layer;
-    ``can_run`` says whether this step may (the runner asks before each forward)."""
+class CpuDecodeLayers(EagerStep):
+    """A CPU's step executor (``ModelRunner(executor=...)``): ``forward`` runs a decode-only step of at most
+    ``thin_rows()`` tokens one C++ call per layer, any other step through the Python layers. Built only where
+    the layer applies to the model and its pools at all (``applies``, asked once by ``engine/build.py``)."""
 
     _watching = False
 
     def __init__(self, model: LlamaForCausalLM, backend):
-        self.model, self.backend = model, backend
+        super().__init__(model, backend)
         self.num_steps = 0  # steps run here (the rest ran the Python layers)
         self._layers, self._generation = None, -1  # each layer's weights, as of this registration generation
-        if not CpuDecodeLayers._watching:  # reading 30 layers' weights through their modules takes 0.5 ms a step:
-            CpuDecodeLayers._watching = True  # read them again only after something was replaced
+        if not CpuDecodeLayers._watching:  # reading every layer's weights through their modules costs time each
+            CpuDecodeLayers._watching = True  # step: read them again only after something was replaced
             torch.nn.modules.module.register_module_parameter_registration_hook(_bump)
             torch.nn.modules.module.register_module_module_registration_hook(_bump)
 
+    @staticmethod
+    def applies(model: LlamaForCausalLM, backend) -> bool:
+        """What does not change while an engine lives: the layer is built, the pools float32, the widths whole
+        vectors, no Qwen3 q/k norm."""
+        cfg = model.config
+        return (available()[0] and bool(backend.k_pool) and backend.k_pool[0].dtype == torch.float32
+                and cfg.head_dim % 16 == 0 and cfg.hidden_size % 16 == 0 and cfg.intermediate_size % 16 == 0
+                and not cfg.qk_norm)
+
     def can_run(self, token_ids: torch.Tensor, batch) -> bool:
-        x, be, cfg = batch.extra, self.backend, self.model.config
-        return (_module is not None and 0 < token_ids.shape[0] <= cpu_products.thin_rows()
-                and x.get("decode") is not None and not x["prefill"] and x["prefill_seqs"] is None
-                and be.decode_attention is cpu_attention.cpu_decode_attention and be.connector is None
-                and be.k_pool[0].dtype == torch.float32 and cfg.head_dim % 16 == 0 and not cfg.qk_norm
-                and cfg.hidden_size % 16 == 0 and cfg.intermediate_size % 16 == 0 and not torch.is_grad_enabled())
+        """What a step or a chapter may change: a small decode-only step, the engine's own C++ decode attention
+        (not an exercise's), no KV connector (chapter 07's per-layer hooks)."""
+        x, be = batch.extra, self.backend
+        return (0 < token_ids.shape[0] <= cpu_products.thin_rows() and x.get("decode") is not None
+                and not x["prefill"] and x["prefill_seqs"] is None
+                and be.decode_attention is cpu_attention.cpu_decode_attention and be.connector is None)
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
+        hidden = self.run_layers(token_ids, positions, batch) if self.can_run(token_ids, batch) else None
+        return hidden if hidden is not None else self.model(token_ids, positions, self.backend, batch)
 
     def layer_weights(self, layer) -> tuple | None:
         """What ``decode_layer`` reads of one layer, or None where the layer is not as loaded (a weight replaced,
@@ -91,7 +105,7 @@ class CpuDecodeLayers:
         ln1, qkv, o, ln2, gate_up, down = weights
         return ln1, qkv, a.qkv[1], o, ln2, gate_up, down, layer.input_layernorm.eps, self.model.config.num_heads
 
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor | None:
+    def run_layers(self, token_ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor | None:
         """The hidden states of the step, as ``LlamaForCausalLM.forward`` gives them, or None (nothing run,
         nothing written) where a layer is not as loaded: the caller runs the Python layers."""
         if self._generation != _generation:  # a weight or a module replaced since (quantized, say): look again
