@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from .config import ModelConfig
+from .model_config import ModelConfig
 
 
 def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
