@@ -39,3 +39,23 @@ def test_policy_comparison_labels_a_small_sample_tail_as_max():
                  "continuous": summarize([out(0.05 * i) for i in range(1, 9)], 1.0)}
     fig = chapter_charts.plot_policy_comparison(summaries, "title", "footnote")
     assert len(fig.axes) == 4 and "max" in [t.get_text() for t in fig.axes[1].texts]
+
+
+def test_rate_sweep_draws_served_against_offered_and_labels_each_tail():
+    from types import SimpleNamespace
+
+    from labsupport.bench.metrics import summarize
+
+    def run(n, ttft, seconds):
+        outs = [SimpleNamespace(metrics=SimpleNamespace(ttft=ttft * (1 + i / n), tpot=0.01, itl=[0.01],
+                                                        latency=ttft + 0.1, queueing_time=0.0), token_ids=[1, 2])
+                for i in range(n)]
+        return summarize(outs, seconds)
+    summaries = [run(24, 0.05, 12.0), run(50, 0.08, 12.5), run(100, 2.0, 25.0)]   # the last one saturated
+    fig = chapter_charts.plot_rate_sweep([2.0, 4.0, 8.0], summaries, 4.0, "title", "footnote")
+    left, right = fig.axes
+    served = next(line for line in left.get_lines() if line.get_label() == "served")
+    assert list(served.get_ydata()) == [2.0, 4.0, 4.0]
+    assert [t.get_text() for t in right.texts] == ["max, n=24", "max, n=50", "P99, n=100"]
+    assert "TTFT max/P99" in [t.get_text() for t in right.get_legend().get_texts()]
+    assert right.get_yscale() == "log" and "ms" in right.get_ylabel()

@@ -93,21 +93,36 @@ def engine_options_of(monkeypatch, args: list[str]) -> dict:
     return seen
 
 
-def test_each_row_runs_the_server_flags_it_claims(monkeypatch):
+def test_each_row_runs_the_server_flags_it_claims_under_one_kv_budget(monkeypatch):
     s = ct.Sizes(kv_bytes_per_token=46080)
     for row in ct.rows():
         if row.kind == "vllm":
-            args = ct.server_args(row, s)
+            args = ct.row_args(row, s)["server"]
             assert "--enable-prefix-caching" in args and "--enable-chunked-prefill" in args
             assert args[args.index("--num-gpu-blocks-override") + 1] == str(s.kv_blocks + 1)  # vLLM's null block
             assert args[args.index("--max-num-seqs") + 1] == str(s.max_num_seqs)
             continue
-        got = engine_options_of(monkeypatch, ct.server_args(row, s))
-        for key, value in row.engine.items():
-            assert got[key] == value, (row.chapter, key)
-        assert got["kv_cache_memory_bytes"] == s.kv_bytes and got["max_num_seqs"] == s.max_num_seqs
-        assert got["block_size"] == s.block_size and got["enable_result_cache"] is False
-        assert got["max_num_batched_tokens"] == (s.chunk_tokens if row.engine.get("enable_chunked_prefill") else 8192)
+        kv_bytes, seqs = 0, 0
+        for role, args in ct.row_args(row, s).items():  # every engine process of the row
+            got = engine_options_of(monkeypatch, args)
+            for key, value in row.engine.items():
+                assert got[key] == value, (row.chapter, role, key)
+            kv_bytes, seqs = kv_bytes + got["kv_cache_memory_bytes"], seqs + got["max_num_seqs"]
+            assert got["kv_cache_memory_bytes"] % (s.block_size * s.kv_bytes_per_token) == 0  # whole blocks
+            assert got["block_size"] == s.block_size and got["enable_result_cache"] is False
+            assert got["max_num_batched_tokens"] == (s.chunk_tokens if row.engine.get("enable_chunked_prefill") else 8192)
+        assert (kv_bytes, seqs) == (s.kv_bytes, s.max_num_seqs), row.chapter  # the row's processes together
+
+
+def test_pd_row_splits_the_budget_with_the_larger_half_on_the_decode_worker():
+    pd = next(r for r in ct.rows() if r.kind == "pd")
+    for blocks, seqs in ((28, 8), (29, 7), (2, 2)):
+        parts = ct.process_sizes(pd, ct.Sizes(kv_blocks=blocks, max_num_seqs=seqs))
+        assert list(parts) == ["prefill", "decode"]
+        assert parts["prefill"].kv_blocks + parts["decode"].kv_blocks == blocks
+        assert parts["prefill"].max_num_seqs + parts["decode"].max_num_seqs == seqs
+        assert parts["decode"].kv_blocks >= parts["prefill"].kv_blocks >= 1
+        assert parts["decode"].max_num_seqs >= parts["prefill"].max_num_seqs >= 1
 
 
 def test_each_row_adds_its_own_chapter_idea_to_the_one_before():
@@ -144,9 +159,11 @@ def test_quick_run_of_two_rows_on_loopback(tmp_path):
     assert main(argv) == 0
     t = json.loads(out.read_text())
     rows = {r["chapter"]: r for r in t["rows"]}
-    assert list(rows) == ["02", "03"] and t["usd_per_hour"] == 0.10
+    assert list(rows) == ["02", "03"] and t["usd_per_hour"] == 0.10 and t["schema"] == ct.SCHEMA == 2
+    assert t["workload"]["poisson"]["burstiness"] == 1.0 and t["workload"]["bursty"]["burstiness"] == 0.5
+    assert all(r["kv_blocks"] == ct.QUICK.kv_blocks for r in rows.values())
     for r in rows.values():
-        for name in ("capacity", "bursty"):
+        for name in ("capacity", "bursty", "poisson"):  # both arrival processes by default
             run = r[name]
             assert run["completed"] == run["requests"] == ct.QUICK.num_requests and not run["errors"]
             assert run["output_tokens"] == run["requested_tokens"]  # ignore_eos: every token asked for
@@ -160,6 +177,47 @@ def test_quick_run_of_two_rows_on_loopback(tmp_path):
     assert "capacity_vs_00" not in rows["02"] and not math.isnan(rows["03"]["capacity"]["output_tok_s"])
     table = view.show_course_table("03", t)
     assert [c[0] for c in table.cells] == ["02", "03"]
+    assert "gamma / Poisson" in table.head[5] and table.cells[1][8].count("(max)") == 2  # 4 requests: maxima
+    assert "Poisson" in table.caption and "one KV budget" in table.caption
+
+
+def schema2(saved, n=100):
+    """The saved run as a schema-2 run would look: a Poisson run beside every bursty one, n requests each."""
+    t = copy.deepcopy(saved)
+    t.update(schema=2)
+    t["workload"]["poisson"] = {**t["workload"]["bursty"], "burstiness": 1.0}
+    for r in t["rows"]:
+        if "bursty" in r:
+            r["bursty"].update(completed=n, requests=n, ttft_tail_label="P99" if n >= 100 else "max")
+            r["poisson"] = {**r["bursty"], "goodput_req_s": r["bursty"]["goodput_req_s"] + 0.5, "ttft_tail_ms": 4321.0}
+    return t
+
+
+def test_schema2_table_shows_poisson_beside_gamma_with_each_tail_labelled(saved):
+    t = schema2(saved)
+    table = view.show_course_table("04", t)
+    assert table.head[5] == "goodput req/s gamma / Poisson" and len(table.head) == 12
+    r = t["rows"][4]
+    assert table.cells[4][5] == f"{r['bursty']['goodput_req_s']:.2f} / {r['poisson']['goodput_req_s']:.2f}"
+    assert table.cells[4][8].endswith("(P99) / 4321 (P99)")
+    assert "max" in view.show_course_table("04", schema2(saved, n=24)).cells[4][8]
+    assert "Poisson 24 requests" in table.caption and f"{t['sizes']['kv_blocks']} blocks" in table.caption
+    assert "Poisson 24 requests" not in view.show_course_table("04").caption  # the old layout: caption as before
+    moved = view.what_moved("04", t)
+    assert "goodput under Poisson arrivals" in moved and "Poisson" not in view.what_moved("04")
+
+
+def test_schema2_plot_draws_poisson_goodput_beside_bursty(saved):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    t = schema2(saved)
+    fig = view.plot_course_table("04", path=t)
+    good_ax = fig.axes[1]
+    assert len(fig.axes[0].patches) == 5 and len(good_ax.patches) == 10  # bursty and Poisson bar per chapter
+    heights = [p.get_height() for p in good_ax.patches[5:]]
+    assert heights == pytest.approx([r["poisson"]["goodput_req_s"] for r in t["rows"][:5]])
+    assert "Poisson" in " ".join(x.get_text() for x in fig.legends[0].get_texts())
+    plt.close(fig)
 
 
 def test_what_moved_calls_a_change_a_change_only_beyond_the_noise(saved):

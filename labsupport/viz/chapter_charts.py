@@ -108,3 +108,34 @@ def plot_policy_comparison(summaries: dict, title: str, footnote: str):
         ax.set_ylabel(unit)
         ax.grid(axis="y", alpha=0.3)
     return _finish(fig, title, footnote)
+
+
+def plot_rate_sweep(offered: list[float], summaries: list[dict], capacity: float, title: str, footnote: str):
+    """Chapter 04: a Poisson rate sweep below and above the measured capacity, one point per rate.
+
+    Left, requests/s served against offered, with the offered line and the capacity: below capacity the
+    points follow the offered line, above it they flatten, which is what "capacity" means. Right, TTFT P50 and
+    its tail (P99, or "max" for a rate with fewer than ``MIN_P99_SAMPLES`` requests, said in the legend), on a
+    log scale: past capacity the queue, not the model, sets the first-token time."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    served = [s["request_throughput"] for s in summaries]
+    top = max(offered + served) * 1.1
+    left.plot([0, top], [0, top], ":", color="gray", label="served = offered")
+    left.axhline(capacity, color="tab:red", lw=1, ls="--", label=f"capacity (all at once): {capacity:.2f} req/s")
+    left.plot(offered, served, "o-", color="tab:blue", label="served")
+    left.set(xlabel="offered rate (requests/s, Poisson)", ylabel="served (requests/s)", xlim=(0, top), ylim=(0, top),
+             title="throughput")
+    left.legend(fontsize=8)
+    tails = [tail(s, "ttft") for s in summaries]
+    right.plot(offered, [s["p50_ttft_ms"] for s in summaries], "o-", color="tab:blue", label="TTFT P50")
+    right.plot(offered, [v for _, v in tails], "s--", color="tab:orange",
+               label="TTFT " + "/".join(dict.fromkeys(label for label, _ in tails)))
+    for x, s, (label, v) in zip(offered, summaries, tails):
+        right.annotate(f"{label}, n={s['n_ttft']}", (x, v), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    right.axvline(capacity, color="tab:red", lw=1, ls="--")
+    right.set(xlabel="offered rate (requests/s, Poisson)", ylabel="TTFT (ms, log scale)", yscale="log",
+              title="time to first token")
+    right.legend(fontsize=8)
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    return _finish(fig, title, footnote, bottom=0.06)

@@ -4,6 +4,11 @@
 as package data; this module only reads that run and draws it: a table of rows 00 .. the chapter (later
 chapters left out, this chapter's row highlighted) with a caption saying when, where and at what price
 it was measured, and a plot of cost per million output tokens beside goodput under bursty load.
+
+Two layouts of the saved run are read. Schema 2 (``"schema": 2``) measures every row under both gamma
+(bursty) and Poisson arrivals with 100 requests each: the load columns then read "gamma / Poisson". A run
+without the key is the first layout (24 requests, gamma only, row 07 with twice the KV): it is drawn as
+before, and its caption says its tails are maxima and row 07 held more KV.
 """
 from __future__ import annotations
 
@@ -25,14 +30,38 @@ def _neighbour(r: dict) -> str:
     return f" [other processes took {100 * share:.0f} % of the cores meanwhile]" if share >= 0.05 else ""
 
 
+def _both(b: dict, p: dict, key: str, spec: str, scale: float = 1, suffix: str = "") -> str:
+    """One load column as "gamma / Poisson" (the tail with its label after each)."""
+    def one(run):
+        v = run.get(key)
+        tail = f" ({run['ttft_tail_label']})" if key == "ttft_tail_ms" else ""
+        return _fmt(None if v is None else scale * v, spec) + suffix + tail
+    return f"{one(b)} / {one(p)}"
+
+
 def table_rows(rows_: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """Column heads and cells of the table (the same for the terminal, markdown and HTML)."""
-    head = ["ch.", "row", "tok/s", "$/Mtok", "cost vs 00", "goodput req/s", "SLO met", "TTFT P50 ms",
-            "TTFT tail ms", "queue ms", "hit rate", "note"]
+    """Column heads and cells of the table (the same for the terminal, markdown and HTML); rows measured
+    under both arrival processes get "gamma / Poisson" in each load column."""
+    both = any("bursty" in r and "poisson" in r for r in rows_)
+    if both:
+        head = ["ch.", "row", "tok/s", "$/Mtok", "cost vs 00", "goodput req/s gamma / Poisson",
+                "SLO met gamma / Poisson", "TTFT P50 ms gamma / Poisson", "TTFT tail ms gamma / Poisson",
+                "queue ms gamma / Poisson", "hit rate", "note"]
+    else:
+        head = ["ch.", "row", "tok/s", "$/Mtok", "cost vs 00", "goodput req/s", "SLO met", "TTFT P50 ms",
+                "TTFT tail ms", "queue ms", "hit rate", "note"]
     cells = []
     for r in rows_:
         if "capacity" not in r:
             cells.append([r["chapter"], r["name"]] + ["-"] * 9 + [r["note"]])
+            continue
+        if "bursty" in r and "poisson" in r:
+            c, b, p = r["capacity"], r["bursty"], r["poisson"]
+            cells.append([r["chapter"], r["name"], _fmt(c["output_tok_s"], ".1f"), _fmt(c["usd_per_mtok"]),
+                          _fmt(r.get("cost_vs_00"), ".3f"), _both(b, p, "goodput_req_s", ".2f"),
+                          _both(b, p, "slo_attainment", ".0f", 100, " %"), _both(b, p, "ttft_p50_ms", ".0f"),
+                          _both(b, p, "ttft_tail_ms", ".0f"), _both(b, p, "mean_queue_time_ms", ".0f"),
+                          _fmt(b["prefix_cache_hit_rate"]), r["note"] + _neighbour(r)])
             continue
         c, b = r["capacity"], r.get("bursty") or r.get("poisson")
         extra = f" (Poisson: goodput {_fmt(r['poisson']['goodput_req_s'])}, SLO met " \
@@ -65,6 +94,17 @@ def load(path=None) -> dict:
 
 def caption(t: dict) -> str:
     m = t["machine"]
+    if t.get("schema", 1) >= 2:
+        w, z = t["workload"], t["sizes"]
+        load_ = " and ".join(f"{name} {w[key]['requests']} requests at {w[key]['rate']} req/s"
+                             for key, name in (("bursty", f"gamma (shape {z['burstiness']})"), ("poisson", "Poisson"))
+                             if key in w)
+        return (f"Measured {t['date']} on {m['cpu']} ({m['cores']} cores, {m['device']}, torch {m['torch']}), "
+                f"{t['model']}; every row priced at ${t['usd_per_hour']:.2f}/hour; capacity "
+                f"{w['capacity']['requests']} requests at once; load: {load_}; one KV budget for every row, "
+                f"{z['kv_blocks']} blocks of {z['block_size']} tokens ({z['kv_bytes'] / 2**20:.1f} MiB; row 07's "
+                f"two workers split it); SLOs TTFT <= {t['slo_ms']['ttft']:.0f} ms, TPOT <= {t['slo_ms']['tpot']:.0f} ms; "
+                f"tails are P99 with >= {t['min_p99_samples']} samples, else max.")
     return (f"Measured {t['date']} on {m['cpu']} ({m['cores']} cores, {m['device']}, torch {m['torch']}), "
             f"{t['model']}; every row priced at ${t['usd_per_hour']:.2f}/hour; bursty load "
             f"{t['workload']['bursty']['rate'] if 'bursty' in t['workload'] else '-'} req/s, gamma shape "
@@ -106,15 +146,19 @@ def show_course_table(chapter: str | int, path=None) -> Table:
 
 
 def plot_course_table(chapter: str | int, ax=None, path=None):
-    """Cost per million output tokens by chapter (bars) and bursty-load goodput beside each; returns the figure."""
+    """Cost per million output tokens by chapter (bars), goodput under bursty load beside each, and under
+    Poisson load too when every row shown was measured with both; returns the figure."""
     import matplotlib.pyplot as plt
     t, chapter = load(path), f"{int(chapter):02d}"
     rs = [r for r in t["rows"] if r["chapter"] <= chapter and "capacity" in r]
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(9, 4.2))
-    x, w = np.arange(len(rs)), 0.4
     cost = [r["capacity"]["usd_per_mtok"] for r in rs]
     good = [(r.get("bursty") or r.get("poisson") or {}).get("goodput_req_s", 0) for r in rs]
-    bars = ax.bar(x - w / 2, cost, w, color=["tab:red" if r["chapter"] == chapter else "tab:gray" for r in rs],
+    both = all("bursty" in r and "poisson" in r for r in rs)
+    poisson = [r["poisson"]["goodput_req_s"] for r in rs] if both else []
+    x, w = np.arange(len(rs)), 0.28 if both else 0.4  # three bars per chapter with both arrival processes
+    left = x - w if both else x - w / 2
+    bars = ax.bar(left, cost, w, color=["tab:red" if r["chapter"] == chapter else "tab:gray" for r in rs],
                   label=f"\\$ per 1M output tokens (at \\${t['usd_per_hour']:.2f}/h, left, log)")
     ax.bar_label(bars, [f"\\${c:.2f}" for c in cost], fontsize=8)
     ax.set(yscale="log", ylabel="\\$ per 1M output tokens (log scale)", ylim=(min(cost) / 2, max(cost) * 3),
@@ -122,10 +166,12 @@ def plot_course_table(chapter: str | int, ax=None, path=None):
                                   for r in rs])
     ax.tick_params(axis="x", labelsize=8)
     ax2 = ax.twinx()
-    ax2.bar(x + w / 2, good, w, color="tab:blue", alpha=0.7, label="goodput under bursty load (req/s, right)")
-    ax2.set(ylabel="goodput (requests/s meeting both SLOs)", ylim=(0, max(good + [0.1]) * 1.3))
+    ax2.bar(left + w, good, w, color="tab:blue", alpha=0.7, label="goodput under bursty load (req/s, right)")
+    if both:
+        ax2.bar(left + 2 * w, poisson, w, color="tab:cyan", alpha=0.8, label="goodput under Poisson load (req/s, right)")
+    ax2.set(ylabel="goodput (requests/s meeting both SLOs)", ylim=(0, max(good + poisson + [0.1]) * 1.3))
     ax.set_title("What each chapter bought: cost per token and goodput, same workload, same machine")
-    fig.legend(loc="upper center", ncol=2, fontsize=8, bbox_to_anchor=(0.5, 0.9))
+    fig.legend(loc="upper center", ncol=3 if both else 2, fontsize=8, bbox_to_anchor=(0.5, 0.9))
     fig.text(0.01, 0.005, "\n".join(textwrap.wrap(caption(t).replace("$", "\\$"), 170)), fontsize=6.5, color="gray")
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     return fig
@@ -161,7 +207,9 @@ NOISE = 0.15  # these shared machines drift by about this much from run to run: 
 # (run, key, label, unit, format): what what_moved compares, in the table's order
 _MOVES = [("capacity", "output_tok_s", "output", "tok/s", ".1f"), ("capacity", "usd_per_mtok", "cost", "$/Mtok", ".2f"),
           ("bursty", "goodput_req_s", "goodput", "req/s", ".2f"), ("bursty", "slo_attainment", "SLO met", "%", ".0f"),
-          ("bursty", "ttft_p50_ms", "TTFT P50", "ms", ".0f"), ("bursty", "mean_queue_time_ms", "queueing", "ms", ".0f")]
+          ("bursty", "ttft_p50_ms", "TTFT P50", "ms", ".0f"), ("bursty", "mean_queue_time_ms", "queueing", "ms", ".0f"),
+          ("poisson", "goodput_req_s", "goodput under Poisson arrivals", "req/s", ".2f"),  # schema 2 only
+          ("poisson", "slo_attainment", "SLO met under Poisson arrivals", "%", ".0f")]
 
 
 def what_moved(chapter: str | int, path=None, noise: float = NOISE) -> str:
@@ -175,6 +223,8 @@ def what_moved(chapter: str | int, path=None, noise: float = NOISE) -> str:
     row, prev = by[chapter], by[earlier[-1]]
     moved, same = [], []
     for run, key, label, unit, spec in _MOVES:
+        if run == "poisson" and not all("bursty" in r and "poisson" in r for r in (prev, row)):
+            continue  # a Poisson-only run already stands in for the bursty lines above
         a, b = ((r.get(run) or r.get("poisson") or {}).get(key) for r in (prev, row))
         if a is None or b is None:
             continue
