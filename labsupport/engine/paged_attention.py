@@ -32,6 +32,7 @@ import torch
 
 from .attention import AttentionBackend, AttentionBatch, sdpa
 from .block_pool import slot_mapping
+from .plug_points import PlugPoint
 
 
 @dataclass
@@ -102,6 +103,13 @@ VERIFY_ROWS = 17  # 1 + the most guesses a step verifies (num_speculative_tokens
 
 
 class PagedAttention(AttentionBackend):
+    PLUG_POINTS = {
+        "slot_mapping": PlugPoint("slot_mapping", "a token's position -> its slot in the pool (ch. 02)"),
+        "decode_attention": PlugPoint("decode_attention", "the paged read of the decode rows (ch. 02)"),
+        "mixed_attention": PlugPoint("mixed_attention", "a whole mixed step's read (ch. 02); None: the engine's "
+                                     "own split of decode and prefill rows", kind="function or None"),
+    }
+
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype, device, scratch_block: bool = False, cpu_kernel: bool = False):
         self.num_blocks, self.block_size = num_blocks, block_size

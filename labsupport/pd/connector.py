@@ -42,6 +42,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..engine.block_pool import blocks_needed
+from ..engine.plug_points import PlugPoint
 from .kv_transfer import KVServer, TransferRecord, pull_blocks, unpack_blocks
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,11 @@ class TcpConnector(KVConnectorBase):
     ``kv_role="kv_both"``: a request with ``do_remote_decode`` gives its KV away when it finishes,
     a request with ``do_remote_prefill`` takes its prompt's KV from the engine named in its params."""
 
+    PLUG_POINTS = {  # chapter 07's exercise: the two ends of the wire
+        "pack_blocks": PlugPoint("server.pack_blocks", "blocks of the pool -> the bytes sent"),
+        "unpack_blocks": PlugPoint("unpack_blocks", "the bytes received -> other blocks of this pool"),
+    }
+
     def __init__(self, k_pool, v_pool, block_size: int, engine_id: str | None = None, kv_ip: str = "127.0.0.1",
                  kv_port: int = 0, kv_lease_s: float = 30.0, kv_load_failure_policy: str = "recompute",
                  pull_timeout_s: float = 10.0):
@@ -140,7 +146,7 @@ class TcpConnector(KVConnectorBase):
                          "kv_loads_failed": 0}
         self.wake = None  # set by whoever steps the engine: called when a transfer ends
         self.server = KVServer(k_pool, v_pool, block_size, self._lookup, self._on_sent, kv_ip, kv_port)
-        self.unpack_blocks = unpack_blocks  # the exercise's plug point on the receiving side (server.pack_blocks: sending)
+        self.unpack_blocks = unpack_blocks  # a plug point (PLUG_POINTS above); server.pack_blocks is the sending side's
 
     @staticmethod
     def check_params(params: dict | None):

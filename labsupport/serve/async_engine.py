@@ -36,6 +36,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from ..engine.plug_points import PlugPoint, PlugRegistry
 from ..engine.request import Request, RequestOutput
 from ..frontend import PreparedRequest
 from .request_stream import EngineUnavailableError, QueueFullError, RequestFailedError, RequestStream
@@ -63,6 +64,12 @@ class AsyncEngine:
     failed), called from the loop thread; ``serve.metrics.ServerMetrics`` is one.
     """
 
+    PLUG_POINTS = {  # chapter 06's exercise: how outputs reach a client
+        "stream_class": PlugPoint("stream_class", "stream_class(abort, request_ids): what a request's consumer reads"),
+        "deliver": PlugPoint("deliver", "deliver(loop, [(stream, index, item), ...]): the hand-over from the loop "
+                             "thread"),
+    }
+
     def __init__(self, llm, max_waiting_requests: int | None = 1024, metrics=None):
         self.llm, self.engine, self.frontend = llm, llm.engine, llm.frontend
         self.max_waiting_requests = max_waiting_requests
@@ -84,6 +91,7 @@ class AsyncEngine:
         self.peak_batch_size = 0  # the most requests one step ran: > 1 means clients shared steps
         # how outputs reach a client: its stream, and the hand-over from this thread (chapter 06 plugs its own)
         self.stream_class, self.deliver = RequestStream, _deliver
+        self.plug_points = PlugRegistry(self, describe="the serving loop")
 
     # ------------------------------------------------------------------ the event loop's side
 
@@ -93,18 +101,12 @@ class AsyncEngine:
                 self._thread.start()
         return self
 
-    @contextlib.contextmanager
     def plugged(self, stream_class=None, deliver=None):
         """``with engine.plugged(stream_class=MyStream, deliver=my_deliver): ...`` serves new requests through
-        chapter 06's pieces: ``stream_class(abort, request_ids)`` is what a request's consumer reads, and
-        ``deliver(loop, [(stream, index, item), ...])`` hands outputs to it from the loop thread. The engine's
-        own pieces come back on exit, also after an exception."""
-        old = self.stream_class, self.deliver
-        self.stream_class, self.deliver = stream_class or old[0], deliver or old[1]
-        try:
-            yield self
-        finally:
-            self.stream_class, self.deliver = old
+        chapter 06's pieces (``PLUG_POINTS``; None keeps the engine's own). The engine's own pieces come back on
+        exit, also after an exception."""
+        pieces = {"stream_class": stream_class, "deliver": deliver}
+        return self.plug_points.plugged({name: piece for name, piece in pieces.items() if piece is not None})
 
     @property
     def is_healthy(self) -> bool:
