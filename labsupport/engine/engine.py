@@ -26,6 +26,7 @@ from .detokenizer import IncrementalDetokenizer, catch_up
 from .kv_cache_manager import ContiguousKVManager, KVCacheManager
 from .limits import EngineLimits
 from .paged_attention import PagedAttention
+from .kv_connector import make_connector
 from .plug_points import PlugRegistry, RuntimeOptions
 from .request import Request, RequestOutput, SamplingParams
 from .runner import ModelRunner
@@ -55,12 +56,12 @@ class LLMEngine:
             self.runner.graphs = DecodeGraphs(self.model, self.backend, self.config.max_num_seqs, self.max_model_len)
         elif build.uses_cpu_decode_layers(self.config, self.device, self.backend):
             self.runner.cpu_layers = CpuDecodeLayers(self.model, self.backend)
-        self.scheduler = Scheduler(self.config, self.kv, build.eos_token_ids(self.tokenizer, self.model_path))
-        self.connector = None  # chapter 07: KV to and from other engines (kv_transfer_config)
+        self.connector = None  # chapter 07: KV to and from other engines (kv_transfer_config, kv_connector.py)
         if self.config.kv_transfer_config is not None:
-            from ..pd.connector import make_connector
-            self.connector = self.scheduler.connector = self.backend.connector = make_connector(
-                self.config.kv_transfer_config, self.backend)
+            self.connector = make_connector(self.config.kv_transfer_config, self.backend)
+            self.backend.attach_connector(self.connector)  # its per-layer hooks run around each layer's attention
+        self.scheduler = Scheduler(self.config, self.kv, build.eos_token_ids(self.tokenizer, self.model_path),
+                                   connector=self.connector)
         self.speculator = (build.speculator(self.config, self.kv, self.backend, self.runner.sampler, self.model,
                                             self.draft_model, self.device)
                            if self.config.speculative_config else None)  # chapter 09
@@ -118,7 +119,7 @@ class LLMEngine:
         paged = isinstance(self.kv, KVCacheManager)
         return EngineLimits(self.max_model_len, self.model.config.vocab_size, self.config.max_num_batched_tokens,
                             self.config.enable_chunked_prefill, self.kv.num_blocks if paged else None,
-                            self.kv.block_size if paged else None, self.connector is not None,
+                            self.kv.block_size if paged else None, self.connector and self.connector.name,
                             self.speculator is not None)
 
     def check_params(self, params: SamplingParams):

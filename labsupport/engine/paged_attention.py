@@ -136,6 +136,11 @@ class PagedAttention(AttentionBackend):
         self.k_pool = [torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_pool = [torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
 
+    def attach_connector(self, connector):
+        """Run ``connector``'s per-layer hooks around each layer's attention (chapter 07): ``wait_for_layer_load``
+        before a layer reads its KV, ``save_kv_layer`` right after it wrote them."""
+        self.connector = connector
+
     def copy_block(self, src: int, dst: int):
         """Copy block ``src``'s K/V into block ``dst`` in every layer (copy-on-write, chapter 04)."""
         bs = self.block_size

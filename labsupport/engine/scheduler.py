@@ -78,7 +78,7 @@ class Scheduler(RequestLifecycle):
         "admit_fn": PlugPoint("admit_fn", "the head of the queue joins, or waits (ch. 05)"),
     }
 
-    def __init__(self, config, kv: KVManager, eos_token_ids=()):
+    def __init__(self, config, kv: KVManager, eos_token_ids=(), connector=None):
         self.config = config  # the engine's EngineConfig, read at every step: one truth for every option
         self.kv = kv
         self.eos_token_ids = set(eos_token_ids)
@@ -93,9 +93,9 @@ class Scheduler(RequestLifecycle):
         self.schedule_fn = None
         self.chunk_rule = chunk_rule
         self.admit_fn = admit_one
-        # chapter 07: a KV connector (labsupport.pd.connector), the requests whose prompt KV is on its way
+        # chapter 07: a KV connector (engine/kv_connector.py), the requests whose prompt KV is on its way
         # (they hold blocks, not a batch slot) and the finished ones whose blocks wait for a remote pull
-        self.connector = None
+        self.connector = connector
         self.loading: dict[str, Request] = {}
         self.held: dict[str, Request] = {}
 

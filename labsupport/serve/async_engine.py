@@ -82,8 +82,8 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._live: dict[str, _Live] = {}  # loop thread only
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        if getattr(self.engine, "connector", None) is not None:
-            self.engine.connector.wake = self._wake.set  # a finished KV transfer wakes the loop
+        if self.engine.connector is not None:
+            self.engine.connector.transfer_listeners.append(self._wake.set)  # a finished KV transfer wakes the loop
         self.dead_reason: BaseException | None = None
         self.num_steps = 0  # steps this loop ran
         self.step_log: deque = deque(maxlen=4096)  # recent steps in wall-clock time, for timelines (step_record)
@@ -206,6 +206,8 @@ class AsyncEngine:
             self.dead_reason = exc
             log.exception("the engine loop died")
         finally:
+            if self.engine.connector is not None:  # a later loop on this engine adds its own
+                self.engine.connector.transfer_listeners.remove(self._wake.set)
             self._fail_everything(EngineUnavailableError(self.unavailable_reason()))
 
     def _drain_inbox(self):
