@@ -23,7 +23,7 @@ class EngineLimits:
     enable_chunked_prefill: bool
     num_blocks: int | None = None  # paged KV: the pool's blocks (None: no pool, nothing to count)
     block_size: int | None = None
-    connector: str | None = None  # chapter 07: the KV connector's name (kv_transfer_config), which takes kv_transfer_params
+    connector: str | None = None  # chapter 07: the KV connector's name (kv_connector.py); it takes kv_transfer_params
     speculative: bool = False  # chapter 09: speculative decoding is on
 
     @property

@@ -8,11 +8,11 @@ forward pass runs, and requests that arrive meanwhile join the next step.
 
 The thread owns the engine exclusively; nothing else calls into it while the server runs
 (``llm.generate`` on the same LLM at the same time would race it). The event loop talks to it
-through an inbox of typed messages (``AddRequest``, ``AbortRequest``) that the thread drains at the top of each
-iteration, and it sleeps on a ``threading.Event`` when it has nothing to do. Outputs go back
-to one ``RequestStream`` per HTTP request as ``Delivery`` items, all of a step's in one ``loop.call_soon_threadsafe``
-(the only safe way to wake an event loop from another thread; one wake-up per step, not one per
-stream). Every output is cumulative (all the text and tokens so far), so a stream keeps only the
+through an inbox of typed messages (``AddRequest``, ``AbortRequest``) that the thread drains at
+the top of each iteration, and it sleeps on a ``threading.Event`` when it has nothing to do.
+Outputs go back to one ``RequestStream`` per HTTP request as ``Delivery`` items, all of a step's
+in one ``loop.call_soon_threadsafe`` (the only safe way to wake an event loop from another
+thread; one wake-up per step, not one per stream). Every output is cumulative (all the text and tokens so far), so a stream keeps only the
 latest of each request and a consumer that falls behind skips the rest.
 
 This is chapter 06's first design, and ``--engine-in-process`` keeps it. Its cost is the GIL: the
@@ -40,7 +40,8 @@ from ..engine.request import Request, RequestOutput
 from ..frontend import PreparedRequest
 from .request_stream import EngineUnavailableError, QueueFullError, RequestFailedError, RequestStream
 
-__all__ = ["AbortRequest", "AddRequest", "AsyncEngine", "Delivery", "EngineUnavailableError", "QueueFullError", "RequestFailedError", "RequestStream"]
+__all__ = ["AbortRequest", "AddRequest", "AsyncEngine", "Delivery", "EngineUnavailableError", "QueueFullError",
+           "RequestFailedError", "RequestStream"]
 
 log = logging.getLogger(__name__)
 
