@@ -181,3 +181,32 @@ def test_only_select_decides_the_kernel_set():
             elif isinstance(node, ast.ImportFrom) and any(a.name in KERNEL_FUNCTIONS for a in node.names):
                 found.append(f"{name}: from {node.module} import {[a.name for a in node.names]}")
     assert not found, found
+
+
+def test_the_engine_imports_no_layer_built_on_it():
+    """``engine/`` is what ``pd/``, ``serve/`` and ``bench/`` are built on: an import the other way (the connector
+    interface once lived in ``pd/``) makes the teaching engine depend on a transport, a server or a benchmark."""
+    above = ("labsupport.pd", "labsupport.serve", "labsupport.bench")
+    leaks = sorted(f"{name} -> {target}" for name in MODULES if name.startswith("labsupport.engine")
+                   for target in imported_modules(name) if target.startswith(above))
+    assert not leaks, f"engine modules importing the layers above them: {leaks}"
+
+
+def test_no_class_inherits_the_plug_points_mixin():
+    """Plug points are declared by each component (``PLUG_POINTS``) and gathered by a ``PlugRegistry`` the engine
+    holds; a mixin that reads its host's attributes is what that replaced."""
+    mixins = {"PlugPoints"}
+    found = sorted(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}" for path in MODULES.values()
+                   for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
+                   for base in node.bases if isinstance(base, ast.Name) and base.id in mixins)
+    assert not found, f"classes inheriting a mixin: {found}"
+
+
+def test_plug_code_writes_no_instance_dict_directly():
+    """Restoring a configuration with ``__dict__.update`` skips ``EngineConfig``'s checks; the options and plug
+    points are restored through ``dataclasses.replace`` and the owners' own setters."""
+    plug_code = [MODULES["labsupport.engine.plug_points"]]
+    offenders = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in plug_code
+                 for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.Attribute) and node.attr == "__dict__"]
+    assert not offenders, f"__dict__ written in plug code: {offenders}"

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .plug_points import PlugPoint
+
 
 @dataclass
 class AttentionBatch:
@@ -108,6 +110,8 @@ def cached_attention(cache_k, cache_v, start: int, q, k, v) -> torch.Tensor:
 
 
 class ContiguousAttention(AttentionBackend):
+    PLUG_POINTS = {"attend_fn": PlugPoint("attend_fn", "append to one sequence's cache and attend (ch. 01)")}
+
     """Attention over one contiguous K/V tensor per request and layer, which the
     ``ContiguousKVManager`` reserved for the request's longest possible length.
 

@@ -25,7 +25,8 @@ from .detokenizer import IncrementalDetokenizer, catch_up
 from .kv_cache_manager import ContiguousKVManager, KVCacheManager
 from .limits import EngineLimits
 from .paged_attention import PagedAttention
-from .plug_points import PlugPoints
+from .kv_connector import make_connector
+from .plug_points import PlugRegistry, RuntimeOptions
 from .request import Request, RequestOutput, SamplingParams
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerOutput
@@ -33,7 +34,7 @@ from .structured_output import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
-class LLMEngine(PlugPoints):
+class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":  # activations reuse their pages instead of faulting fresh ones in each step
@@ -53,18 +54,23 @@ class LLMEngine(PlugPoints):
         self.kv, self.backend = build.kv_and_backend(self.config, self.model, self.device, self.draft_model)
         self.runner = ModelRunner(self.model, self.backend, self.device,
                                   build.step_executor(self.config, self.model, self.backend, self.device))
-        self.scheduler = Scheduler(self.config, self.kv, build.eos_token_ids(self.tokenizer, self.model_path))
-        self.connector = None  # chapter 07: KV to and from other engines (kv_transfer_config)
+        self.connector = None  # chapter 07: KV to and from other engines (kv_transfer_config, kv_connector.py)
         if self.config.kv_transfer_config is not None:
-            from ..pd.connector import make_connector
-            self.connector = self.scheduler.connector = self.backend.connector = make_connector(
-                self.config.kv_transfer_config, self.backend)
+            self.connector = make_connector(self.config.kv_transfer_config, self.backend)
+            self.backend.attach_connector(self.connector)  # its per-layer hooks run around each layer's attention
+        self.scheduler = Scheduler(self.config, self.kv, build.eos_token_ids(self.tokenizer, self.model_path),
+                                   connector=self.connector)
         self.speculator = (build.speculator(self.config, self.kv, self.backend, self.runner.sampler, self.model,
                                             self.draft_model, self.device)
                            if self.config.speculative_config else None)  # chapter 09
         self.structured_outputs = self.runner.sampler.structured = StructuredOutputs(
             self.tokenizer, self.model.config.vocab_size, self.scheduler.eos_token_ids)  # grammars compile on first use
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # what a chapter may change on this live engine (plug_points.py); the runner's one point is the acceptance
+        # rule of speculative decoding, a point only where a speculator runs
+        self.runtime_options = RuntimeOptions(self.config)
+        self.plug_points = PlugRegistry(self.scheduler, self.backend, self.kv, self.runner if self.speculator else None,
+                                        self.connector, describe=f"this engine (kv_cache={self.config.kv_cache!r})")
         self.num_steps = 0
         self.last_step: SchedulerOutput | None = None
 
@@ -111,7 +117,7 @@ class LLMEngine(PlugPoints):
         paged = isinstance(self.kv, KVCacheManager)
         return EngineLimits(self.max_model_len, self.model.config.vocab_size, self.config.max_num_batched_tokens,
                             self.config.enable_chunked_prefill, self.kv.num_blocks if paged else None,
-                            self.kv.block_size if paged else None, self.connector is not None,
+                            self.kv.block_size if paged else None, self.connector and self.connector.name,
                             self.speculator is not None)
 
     def check_params(self, params: SamplingParams):
@@ -130,6 +136,30 @@ class LLMEngine(PlugPoints):
     def has_pending_transfers(self) -> bool:
         """KV still on its way to or from another engine: ``step()`` must keep being called to finish it."""
         return self.scheduler.has_pending_transfers()
+
+    # ------------------------------------------------------------------ what a chapter changes (plug_points.py)
+
+    def set_options(self, **changes) -> dict:
+        """Change scheduling options of a live engine (chapter 04's ``max_num_seqs`` dial); returns the old values."""
+        return self.runtime_options.set(**changes)
+
+    def options(self, **changes):
+        """``with engine.options(max_num_seqs=4): ...``: every run-time option is as before on exit."""
+        return self.runtime_options.changed(**changes)
+
+    def plug(self, **pieces) -> dict:
+        """Put the attendee's pieces in; returns those they replaced. Prefer ``plugged``, which puts them back."""
+        return self.plug_points.swap(pieces)
+
+    def plugged(self, **pieces):
+        """``with engine.plugged(schedule_fn=my_schedule): ...`` runs the engine on the attendee's pieces and puts
+        its own back on exit, also when the attendee's code raised. Requests still in flight at exit ran on the
+        plugged pieces; with a swapped allocator they are aborted (their blocks are the plugged one's)."""
+        return self.plug_points.plugged(pieces, before_restore=self._abort_on_allocator_restore)
+
+    def _abort_on_allocator_restore(self, names: set[str]):
+        if "block_allocator" in names and self.kv.tables:
+            self.abort_requests(list(self.kv.tables.values()))
 
     # ------------------------------------------------------------------ the loop
 

@@ -23,6 +23,7 @@ import torch
 
 from .block_pool import (BlockAllocator, blocks_needed, copy_on_write, fork_blocks, free_blocks_needed,
                          hold_prefix_blocks, release_blocks)
+from .plug_points import PlugPoint
 from .prefix_cache import CPUTier, PrefixCache, chain_hashes, longest_prefix
 
 
@@ -148,10 +149,22 @@ class KVCacheManager(KVManager):
     """
 
     keeps_kv = True
+    PLUG_POINTS = {
+        "block_allocator": PlugPoint("allocator", "an allocator of at most the pool's blocks (ch. 02)", kind="object",
+                                     install="use_allocator"),
+        "chain_hashes": PlugPoint("chain_hashes", "a request's full blocks -> their chained hashes (ch. 03)"),
+        "longest_prefix": PlugPoint("longest_prefix", "the cached run at the start of a request (ch. 03)"),
+        "free_blocks_needed": PlugPoint("free_blocks_needed", "what admitting a prefix hit costs (ch. 03)"),
+        "hold_prefix_blocks": PlugPoint("hold_prefix_blocks", "share a hit's blocks, or reclaim them (ch. 03)"),
+        "release_blocks": PlugPoint("release_blocks", "the order a request's blocks go back (ch. 03)"),
+        "fork_blocks": PlugPoint("fork_blocks", "a sample starts on the parent's shared blocks (ch. 04)"),
+        "copy_on_write": PlugPoint("copy_on_write", "a shared block, about to be written (ch. 04)"),
+    }
 
     def __init__(self, num_blocks: int, block_size: int, allocator: BlockAllocator | None = None,
                  enable_prefix_caching: bool = False, cpu_tier: CPUTier | None = None):
         self.block_size = block_size
+        self.pool_blocks = num_blocks  # the pool's blocks: a plugged allocator may hand out fewer, never more
         self.allocator = allocator or BlockAllocator(num_blocks)
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
         self.cpu_tier = cpu_tier
@@ -238,6 +251,8 @@ class KVCacheManager(KVManager):
 
     def use_allocator(self, allocator):
         """Run the pool on another allocator (chapter 02's exercise); only while no request holds blocks."""
+        if allocator.num_blocks > self.pool_blocks:
+            raise ValueError(f"the allocator has {allocator.num_blocks} blocks; the pool holds {self.pool_blocks}")
         if self.tables:
             raise ValueError(f"{len(self.tables)} requests hold blocks: swap the allocator while the engine is idle")
         self.allocator = allocator

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .block_pool import blocks_needed
+from .kv_connector import connector_class
 
 
 @dataclass(frozen=True)
@@ -22,8 +23,12 @@ class EngineLimits:
     enable_chunked_prefill: bool
     num_blocks: int | None = None  # paged KV: the pool's blocks (None: no pool, nothing to count)
     block_size: int | None = None
-    has_connector: bool = False  # chapter 07: a KV connector takes kv_transfer_params
+    connector: str | None = None  # chapter 07: the KV connector's name (kv_connector.py); it takes kv_transfer_params
     speculative: bool = False  # chapter 09: speculative decoding is on
+
+    @property
+    def has_connector(self) -> bool:
+        return self.connector is not None
 
     def check_prompt(self, prompt_token_ids: list[int]):
         """Raise ValueError, saying what to change, for a prompt this engine can never run."""
@@ -62,5 +67,4 @@ class EngineLimits:
         if params.kv_transfer_params is not None:  # chapter 07: a PD hand-off needs a connector that can follow it
             if not self.has_connector:
                 raise ValueError("kv_transfer_params needs an engine with a KV connector (kv_transfer_config)")
-            from ..pd.connector import TcpConnector
-            TcpConnector.check_params(params.kv_transfer_params)
+            connector_class(self.connector).check_params(params.kv_transfer_params)

@@ -33,6 +33,7 @@ import torch
 from ..kernels import select
 from .attention import AttentionBackend, AttentionBatch, sdpa
 from .block_pool import slot_mapping
+from .plug_points import PlugPoint
 
 
 @dataclass
@@ -103,6 +104,13 @@ VERIFY_ROWS = 17  # 1 + the most guesses a step verifies (num_speculative_tokens
 
 
 class PagedAttention(AttentionBackend):
+    PLUG_POINTS = {
+        "slot_mapping": PlugPoint("slot_mapping", "a token's position -> its slot in the pool (ch. 02)"),
+        "decode_attention": PlugPoint("decode_attention", "the paged read of the decode rows (ch. 02)"),
+        "mixed_attention": PlugPoint("mixed_attention", "a whole mixed step's read (ch. 02); None: the engine's "
+                                     "own split of decode and prefill rows", kind="function or None"),
+    }
+
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype, device, scratch_block: bool = False, cpu_kernel: bool = False):
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -120,6 +128,11 @@ class PagedAttention(AttentionBackend):
         slots = (num_blocks + scratch_block) * block_size
         self.k_pool = [torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_pool = [torch.zeros(num_kv_heads, slots, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def attach_connector(self, connector):
+        """Run ``connector``'s per-layer hooks around each layer's attention (chapter 07): ``wait_for_layer_load``
+        before a layer reads its KV, ``save_kv_layer`` right after it wrote them."""
+        self.connector = connector
 
     def copy_block(self, src: int, dst: int):
         """Copy block ``src``'s K/V into block ``dst`` in every layer (copy-on-write, chapter 04)."""

@@ -1,109 +1,157 @@
 """What an attendee may change on a live engine, and how it is put back: run-time options and plug points.
 
 Chapters change a live engine in two ways. Options: ``max_num_seqs``, the token budget, chunked prefill
-(``engine.options(...)``, checked as a whole before anything changes). Pieces: the attendee's
-``schedule``, chunking rule, paged read, allocator, copy-on-write, ... put in place of the engine's own
-at a named plug point (``engine.plugged(...)``). Both are ``with`` blocks that restore the engine on
-exit, also when the attendee's code raised, so a chapter can go on (or be re-run) after a broken
-exercise. The plug points are attributes of the scheduler, KV manager, backend, runner and connector:
-the engine calls through them at every step, so a plugged piece runs inside the real engine, not a copy.
+(``engine.options(...)``, checked as a whole by ``EngineConfig`` itself before anything changes). Pieces: the
+attendee's ``schedule``, chunking rule, paged read, allocator, copy-on-write, ... put in place of the engine's
+own at a named plug point (``engine.plugged(...)``). Both are ``with`` blocks that restore the engine on exit,
+also when the attendee's code raised, so a chapter can go on (or be re-run) after a broken exercise.
+
+Each component declares its own plug points in a class attribute ``PLUG_POINTS`` (name -> ``PlugPoint``: the
+attribute the component calls through at every step, and what a piece there must be), so a reader finds a plug
+point beside the code that calls it. ``PlugRegistry`` gathers the points of the components an engine (or the
+serving loop) is built from; its ``plugged`` is the one ``with`` block every chapter's check goes through. The
+engine calls through those attributes at every step, so a plugged piece runs inside the real engine, not a copy.
+This module imports no component: they import it.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import Callable
 
-from .attention import ContiguousAttention
 from .config import RUNTIME_OPTIONS
-from .kv_cache_manager import KVCacheManager
+
+KINDS = ("function", "function or None", "object")
 
 
-class PlugPoints:
-    """Mixed into ``LLMEngine``: reads its ``config``, ``scheduler``, ``kv``, ``backend``, ``runner``,
-    ``speculator`` and ``connector``."""
+@dataclasses.dataclass(frozen=True)
+class PlugPoint:
+    """One place a piece goes. ``attribute``: the declaring component's attribute that holds it (a dotted path
+    reaches a part the component owns, e.g. the connector's KV server). ``expects``: what the engine calls it
+    with, said in the error an attendee sees. ``kind``: a function; a function or None (None: the engine's own
+    rule); or any object. ``install``: a method of the owner that takes the piece instead of a plain assignment,
+    for a piece the owner must check against its state (an allocator swapped only while no request holds blocks)."""
 
-    def set_options(self, **changes) -> dict:
-        """Change scheduling options of a live engine (chapter 04's ``max_num_seqs`` dial); returns the
-        old values. The whole new configuration is validated before anything changes."""
+    attribute: str
+    expects: str
+    kind: str = "function"
+    install: str | None = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"a plug point's kind is one of {KINDS}, got {self.kind!r}")
+
+
+class PlugRegistry:
+    """The plug points of some components, by name: read, checked, swapped and restored in one place."""
+
+    def __init__(self, *components, describe: str = "this engine"):
+        self.describe = describe  # named in the error for a plug point that does not exist here
+        self.slots: dict[str, tuple[object, PlugPoint]] = {}
+        for component in components:
+            if component is None:
+                continue  # a part this engine was built without (no connector, no speculator)
+            for name, point in type(component).PLUG_POINTS.items():
+                if name in self.slots:
+                    raise ValueError(f"plug point {name!r} is declared by both {type(self.slots[name][0]).__name__} "
+                                     f"and {type(component).__name__}")
+                self.slots[name] = (component, point)
+
+    def names(self) -> list[str]:
+        return sorted(self.slots)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.slots
+
+    def _owner(self, name: str) -> tuple[object, str]:
+        component, point = self.slots[name]
+        *path, attribute = point.attribute.split(".")
+        for part in path:
+            component = getattr(component, part)
+        return component, attribute
+
+    def get(self, name: str):
+        """The piece at ``name`` now."""
+        return getattr(*self._owner(name))
+
+    def check(self, pieces: dict):
+        """Raise ValueError, before anything changes, for a name this registry lacks or a piece of the wrong kind."""
+        for name, piece in pieces.items():
+            if name not in self.slots:
+                raise ValueError(f"no plug point {name!r} on {self.describe}; it has {self.names()}")
+            point = self.slots[name][1]
+            if point.kind == "object" or (piece is None and point.kind == "function or None"):
+                continue
+            if not callable(piece):
+                raise ValueError(f"{name} must be a function ({point.expects}), got {type(piece).__name__}")
+
+    def swap(self, pieces: dict) -> dict:
+        """Put ``pieces`` in; returns the pieces they replaced. All or nothing: if one cannot go in (its owner
+        refused it), those already in are taken out again before the error propagates."""
+        self.check(pieces)
+        old = {name: self.get(name) for name in pieces}
+        done = []
+        try:
+            for name, piece in pieces.items():
+                self._install(name, piece)
+                done.append(name)
+        except BaseException:
+            for name in reversed(done):
+                self._install(name, old[name])
+            raise
+        return old
+
+    def _install(self, name: str, piece):
+        owner, attribute = self._owner(name)
+        point = self.slots[name][1]
+        if point.install is not None:
+            getattr(owner, point.install)(piece)
+        else:
+            setattr(owner, attribute, piece)
+
+    @contextlib.contextmanager
+    def plugged(self, pieces: dict, before_restore: Callable[[set[str]], None] | None = None):
+        """``with registry.plugged({"schedule_fn": mine}): ...`` runs on the pieces and puts the old ones back on
+        exit, also when the code inside raised. ``before_restore(names)`` runs first, for an owner that takes a
+        piece back only in some state (the engine aborts the requests holding a plugged allocator's blocks)."""
+        old = self.swap(pieces)
+        try:
+            yield self
+        finally:
+            if before_restore is not None:
+                before_restore(set(old))
+            self.swap(old)
+
+
+class RuntimeOptions:
+    """The options of ``config.RUNTIME_OPTIONS`` on a live engine's one ``EngineConfig``: every change, and every
+    restore, is validated by ``EngineConfig`` itself (``dataclasses.replace`` runs its checks) before the shared
+    object changes, so the scheduler and the prompt check, which read that object, never see a half-made one."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def set(self, **changes) -> dict:
+        """Change options now (chapter 04's ``max_num_seqs`` dial); returns the old values."""
         unknown = set(changes) - set(RUNTIME_OPTIONS)
         if unknown:
             raise ValueError(f"{sorted(unknown)} cannot change while the engine lives; these can: {RUNTIME_OPTIONS}")
-        dataclasses.replace(self.config, **changes)  # raises ValueError, saying what is wrong
         old = {name: getattr(self.config, name) for name in changes}
-        for name, value in changes.items():
-            setattr(self.config, name, value)
+        self._apply(changes)
         return old
 
+    def _apply(self, values: dict):
+        checked = dataclasses.replace(self.config, **values)  # raises ValueError, saying what is wrong
+        for name in values:
+            setattr(self.config, name, getattr(checked, name))
+
     @contextlib.contextmanager
-    def options(self, **changes):
-        """``with engine.options(max_num_seqs=4): ...`` -- every run-time option is as before on exit
-        (all of them: one changed inside the block may only be valid together with another)."""
+    def changed(self, **changes):
+        """Every run-time option is as before on exit (all of them: one changed inside the block may only be
+        valid together with another)."""
         before = {name: getattr(self.config, name) for name in RUNTIME_OPTIONS}
-        self.set_options(**changes)
+        self.set(**changes)
         try:
             yield self
         finally:
-            self.config.__dict__.update(before)
-
-    def _plug_points(self) -> dict:
-        """Name -> (object, attribute) of every piece an exercise may replace, on this engine."""
-        points = {"schedule_fn": (self.scheduler, "schedule_fn"),  # ch. 04: the whole scheduling policy
-                  "chunk_rule": (self.scheduler, "chunk_rule"),  # ch. 05: tokens one request feeds
-                  "admit_fn": (self.scheduler, "admit_fn")}  # ch. 05: the head of the queue joins, or waits
-        if isinstance(self.backend, ContiguousAttention):
-            points["attend_fn"] = (self.backend, "attend_fn")  # ch. 01: append to the cache and attend
-        if isinstance(self.kv, KVCacheManager):
-            points |= {"slot_mapping": (self.backend, "slot_mapping"),  # ch. 02: token -> pool slot
-                       "decode_attention": (self.backend, "decode_attention"),  # ch. 02: the paged read
-                       "mixed_attention": (self.backend, "mixed_attention"),  # ch. 02: a whole mixed step's read
-                       "block_allocator": (self.kv, "allocator"),  # ch. 02: an allocator instance
-                       "chain_hashes": (self.kv, "chain_hashes"),  # ch. 03: block hashes
-                       "longest_prefix": (self.kv, "longest_prefix"),  # ch. 03: the cached run
-                       "free_blocks_needed": (self.kv, "free_blocks_needed"),  # ch. 03: what admitting a hit costs
-                       "hold_prefix_blocks": (self.kv, "hold_prefix_blocks"),  # ch. 03: share or reclaim
-                       "release_blocks": (self.kv, "release_blocks"),  # ch. 03: the order blocks go back
-                       "fork_blocks": (self.kv, "fork_blocks"),  # ch. 04: a sample starts on shared blocks
-                       "copy_on_write": (self.kv, "copy_on_write")}  # ch. 04: a shared block, written
-        if self.speculator is not None:
-            points["rejection_sample"] = (self.runner, "rejection_sample")  # ch. 09: the acceptance rule
-        if self.connector is not None:
-            points |= {"pack_blocks": (self.connector.server, "pack_blocks"),  # ch. 07: blocks -> the wire
-                       "unpack_blocks": (self.connector, "unpack_blocks")}  # ch. 07: the wire -> other blocks
-        return points
-
-    def plug(self, **pieces) -> dict:
-        """Put the attendee's pieces into this engine; returns the pieces they replaced.
-
-        Prefer ``plugged`` for an engine that is used afterwards: it puts the engine's own back."""
-        points = self._plug_points()
-        for name, piece in pieces.items():
-            if name not in points:
-                raise ValueError(f"no plug point {name!r} on this engine (kv_cache={self.config.kv_cache!r}); "
-                                 f"it has {sorted(points)}")
-            if name in ("schedule_fn", "mixed_attention") and piece is None:
-                continue  # None: the engine's own policy, or its own split of decode and prefill rows
-            if name != "block_allocator" and not callable(piece):
-                raise ValueError(f"{name} must be a function, got {type(piece).__name__}")
-        old = {name: getattr(*points[name]) for name in pieces}
-        for name, piece in pieces.items():
-            if name == "block_allocator":
-                if piece.num_blocks > self.backend.num_blocks:
-                    raise ValueError(f"the allocator has {piece.num_blocks} blocks; "
-                                     f"the pool holds {self.backend.num_blocks}")
-                self.kv.use_allocator(piece)  # raises unless the engine is idle
-            else:
-                setattr(*points[name], piece)
-        return old
-
-    @contextlib.contextmanager
-    def plugged(self, **pieces):
-        """``with engine.plugged(schedule_fn=my_schedule): ...`` runs the engine on the attendee's pieces
-        and puts the engine's own back on exit, also when the attendee's code raised. Requests still
-        in flight at exit ran on the plugged pieces; with a swapped allocator they are aborted."""
-        old = self.plug(**pieces)
-        try:
-            yield self
-        finally:
-            if "block_allocator" in old and self.kv.tables:
-                self.abort_requests(list(self.kv.tables.values()))
-            self.plug(**old)
+            self._apply(before)

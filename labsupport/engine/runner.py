@@ -12,6 +12,7 @@ import torch
 
 from ..models.llama import LlamaForCausalLM
 from .attention import AttentionBackend, AttentionBatch, RecomputeAttention
+from .plug_points import PlugPoint
 from .sampler import Sampler, SamplerOutput, logprob_dicts, option
 from .spec_decode import rejection_sample
 from .scheduler import SchedulerOutput
@@ -35,6 +36,8 @@ class EagerStep:
 
 
 class ModelRunner:
+    PLUG_POINTS = {"rejection_sample": PlugPoint("rejection_sample", "accept or reject draft tokens (ch. 09)")}
+
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, device: torch.device, executor=None):
         self.model, self.backend, self.device = model, backend, device
         self.sampler = Sampler()

@@ -31,6 +31,7 @@ from collections import deque
 
 from .kv_cache_manager import KVManager, PrefixHit
 from .lifecycle import RequestLifecycle, SchedulerOutput
+from .plug_points import PlugPoint
 from .request import Request, RequestStatus
 from .spec_decode import spec_counters
 
@@ -70,7 +71,14 @@ def admit_one(s, req: Request, out: SchedulerOutput, budget_left: int) -> int:
 
 
 class Scheduler(RequestLifecycle):
-    def __init__(self, config, kv: KVManager, eos_token_ids=()):
+    PLUG_POINTS = {  # the exercises' pieces (plug_points.py): a whole policy, a chunking rule, admission
+        "schedule_fn": PlugPoint("schedule_fn", "schedule(scheduler) -> SchedulerOutput, the whole policy (ch. 04); "
+                                 "None: the engine's own", kind="function or None"),
+        "chunk_rule": PlugPoint("chunk_rule", "the tokens one request feeds this step (ch. 05)"),
+        "admit_fn": PlugPoint("admit_fn", "the head of the queue joins, or waits (ch. 05)"),
+    }
+
+    def __init__(self, config, kv: KVManager, eos_token_ids=(), connector=None):
         self.config = config  # the engine's EngineConfig, read at every step: one truth for every option
         self.kv = kv
         self.eos_token_ids = set(eos_token_ids)
@@ -81,13 +89,13 @@ class Scheduler(RequestLifecycle):
         self.counters = {"prompt_tokens_computed": 0, "generation_tokens": 0}
         if getattr(config, "speculative_config", None):  # chapter 09: vLLM's spec-decode counters
             self.counters |= spec_counters(config.speculative_config["num_speculative_tokens"])
-        # the exercises' plug points (set them through LLMEngine.plugged): a whole policy, a chunking rule, admission
+        # the exercises' plug points (PLUG_POINTS above; set them through LLMEngine.plugged)
         self.schedule_fn = None
         self.chunk_rule = chunk_rule
         self.admit_fn = admit_one
-        # chapter 07: a KV connector (labsupport.pd.connector), the requests whose prompt KV is on its way
+        # chapter 07: a KV connector (engine/kv_connector.py), the requests whose prompt KV is on its way
         # (they hold blocks, not a batch slot) and the finished ones whose blocks wait for a remote pull
-        self.connector = None
+        self.connector = connector
         self.loading: dict[str, Request] = {}
         self.held: dict[str, Request] = {}
 

@@ -1,30 +1,7 @@
-"""KV connectors: how an engine gets KV it did not compute, and gives away KV it did.
+"""The TCP pull connector: how an engine gets KV it did not compute over a socket, and gives away KV it did.
 
-The interface is vLLM's ``KVConnectorBase_V1``, method for method, so chapter 08 reads vLLM's
-connectors (ExampleConnector, NixlConnector, LMCacheConnectorV1, ...) as variations of this one.
-It has two sides, which vLLM runs in different processes and we run in one:
-
-**Scheduler side** (policy: who waits for what, who holds which blocks)
-
-* ``get_num_new_matched_tokens(request, num_computed_tokens) -> (n, load_async)``: how many of
-  the request's tokens beyond what this engine has can come from elsewhere. ``load_async``:
-  the request waits (``WAITING_FOR_REMOTE_KVS``) while they arrive, and the engine keeps
-  stepping the others.
-* ``update_state_after_alloc(request, block_ids, num_external_tokens)``: blocks were reserved
-  for those tokens; remember which local blocks to fill.
-* ``build_connector_meta(scheduler_output)``: what the worker side must start this step.
-* ``request_finished(request, block_ids) -> (delay_free, kv_transfer_params)``: a request left.
-  ``delay_free=True`` keeps its blocks out of the free list until the transfer is done; the
-  params go back to the client (the router), saying where to fetch the KV from.
-
-**Worker side** (mechanism: bytes)
-
-* ``start_load_kv(metadata)``; ``wait_for_layer_load(layer)`` (inside the forward pass: block
-  until this layer's KV is in, for connectors that load during the forward);
-  ``save_kv_layer(layer, k_pool, v_pool, attn_metadata)`` (right after a layer wrote its KV: a
-  push connector sends it now, overlapping the next layer's compute); ``wait_for_save()``
-  (the end of the forward pass); ``get_finished(finished_req_ids) -> (done_sending,
-  done_recving)`` (transfers that completed since the last call).
+The interface it implements (vLLM's ``KVConnectorBase_V1`` shape) and the factory that builds a connector from
+``kv_transfer_config`` are the engine's, in ``engine/kv_connector.py``; this package holds the implementation.
 
 ``TcpConnector`` implements it the way vLLM's NixlConnector does (pull, not push): the prefill
 worker keeps a finished request's blocks and advertises them; the decode worker pulls them over
@@ -39,70 +16,15 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..engine.block_pool import blocks_needed
+from ..engine.kv_connector import KVConnectorBase, KVConnectorMetadata, LoadSpec
+from ..engine.plug_points import PlugPoint
 from .kv_transfer import KVServer, TransferRecord, pull_blocks, unpack_blocks
 
 log = logging.getLogger(__name__)
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")  # vLLM's kv_load_failure_policy values
-
-
-@dataclass
-class LoadSpec:
-    request_id: str
-    transfer_id: str
-    host: str
-    port: int
-    remote_block_ids: list[int]
-    local_block_ids: list[int]
-
-
-@dataclass
-class KVConnectorMetadata:
-    """What the scheduler side tells the worker side for one step."""
-
-    loads: list[LoadSpec] = field(default_factory=list)
-
-
-class KVConnectorBase:
-    """vLLM's ``KVConnectorBase_V1`` shape; this base does nothing (an engine without a connector)."""
-
-    # ---- scheduler side
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        return 0, False
-
-    def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int):
-        pass
-
-    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return KVConnectorMetadata()
-
-    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        return False, None
-
-    # ---- worker side
-    def start_load_kv(self, metadata: KVConnectorMetadata):
-        pass
-
-    def wait_for_layer_load(self, layer: int):
-        pass
-
-    def save_kv_layer(self, layer: int, k_pool, v_pool, attn_metadata):
-        pass
-
-    def wait_for_save(self):
-        pass
-
-    def get_finished(self, finished_req_ids: set[str] = frozenset()) -> tuple[set[str], set[str]]:
-        return set(), set()
-
-    def get_failed_loads(self) -> dict[str, str]:
-        """Request id -> why, for loads that failed since the last call (vLLM: block ids with load errors)."""
-        return {}
-
-    def close(self):
-        pass
 
 
 @dataclass
@@ -118,6 +40,11 @@ class TcpConnector(KVConnectorBase):
     ``kv_role="kv_both"``: a request with ``do_remote_decode`` gives its KV away when it finishes,
     a request with ``do_remote_prefill`` takes its prompt's KV from the engine named in its params."""
 
+    PLUG_POINTS = {  # chapter 07's exercise: the two ends of the wire
+        "pack_blocks": PlugPoint("server.pack_blocks", "blocks of the pool -> the bytes sent"),
+        "unpack_blocks": PlugPoint("unpack_blocks", "the bytes received -> other blocks of this pool"),
+    }
+
     def __init__(self, k_pool, v_pool, block_size: int, engine_id: str | None = None, kv_ip: str = "127.0.0.1",
                  kv_port: int = 0, kv_lease_s: float = 30.0, kv_load_failure_policy: str = "recompute",
                  pull_timeout_s: float = 10.0):
@@ -126,6 +53,7 @@ class TcpConnector(KVConnectorBase):
                              f"got {kv_load_failure_policy!r}")
         if not kv_lease_s > 0:
             raise ValueError(f"kv_lease_s must be a positive number of seconds, got {kv_lease_s!r}")
+        super().__init__()
         self.k_pool, self.v_pool, self.block_size = k_pool, v_pool, block_size
         self.engine_id = engine_id or uuid.uuid4().hex[:12]
         self.lease_s, self.failure_policy, self.pull_timeout_s = kv_lease_s, kv_load_failure_policy, pull_timeout_s
@@ -138,9 +66,8 @@ class TcpConnector(KVConnectorBase):
         self.records: list[TransferRecord] = []  # every finished transfer, both directions (bounded)
         self.counters = {"kv_transfer_bytes_sent": 0, "kv_transfer_bytes_received": 0, "kv_leases_expired": 0,
                          "kv_loads_failed": 0}
-        self.wake = None  # set by whoever steps the engine: called when a transfer ends
         self.server = KVServer(k_pool, v_pool, block_size, self._lookup, self._on_sent, kv_ip, kv_port)
-        self.unpack_blocks = unpack_blocks  # the exercise's plug point on the receiving side (server.pack_blocks: sending)
+        self.unpack_blocks = unpack_blocks  # a plug point (PLUG_POINTS above); server.pack_blocks is the sending side's
 
     @staticmethod
     def check_params(params: dict | None):
@@ -216,7 +143,7 @@ class TcpConnector(KVConnectorBase):
             with self._lock:
                 self._failed[spec.request_id] = f"{type(exc).__name__}: {exc}"
                 self.counters["kv_loads_failed"] += 1
-        self._wake()
+        self._transfer_ended()
 
     def get_finished(self, finished_req_ids=frozenset()):
         """(request ids whose held blocks may be freed: pulled or lease expired, request ids whose load landed)."""
@@ -249,17 +176,13 @@ class TcpConnector(KVConnectorBase):
         with self._lock:
             self._sent.add(tid)
             self._record(record)
-        self._wake()
+        self._transfer_ended()
 
     def _record(self, record: TransferRecord):
         self.records.append(record)
         del self.records[:-1000]
         key = "kv_transfer_bytes_sent" if record.role == "send" else "kv_transfer_bytes_received"
         self.counters[key] += record.num_bytes
-
-    def _wake(self):
-        if self.wake is not None:
-            self.wake()
 
     def close(self):
         self.server.close()
@@ -277,26 +200,3 @@ class _Lease(list):
             h = self.connector.held.get(self.tid)
             if h is not None:
                 h.pulling -= 1
-
-
-CONNECTORS = {"TcpConnector": TcpConnector}
-
-
-def make_connector(config: dict, backend) -> KVConnectorBase:
-    """A connector from vLLM-style ``kv_transfer_config`` (``{"kv_connector": "TcpConnector", "kv_role":
-    "kv_both", "kv_ip": ..., "kv_port": ..., "engine_id": ..., "kv_load_failure_policy": ..., "kv_lease_s": ...}``)."""
-    config = dict(config)
-    name = config.pop("kv_connector", "TcpConnector")
-    if name not in CONNECTORS:
-        raise ValueError(f"kv_connector must be one of {sorted(CONNECTORS)}, got {name!r}")
-    role = config.pop("kv_role", "kv_both")
-    if role not in ("kv_producer", "kv_consumer", "kv_both"):
-        raise ValueError(f"kv_role must be kv_producer, kv_consumer or kv_both, got {role!r}")
-    extra = config.pop("kv_connector_extra_config", {}) or {}
-    known = {"engine_id", "kv_ip", "kv_port", "kv_lease_s", "kv_load_failure_policy", "pull_timeout_s"}
-    unknown = set(config) - known
-    if unknown:
-        raise ValueError(f"unknown kv_transfer_config keys {sorted(unknown)}; known: {sorted(known)}")
-    connector = CONNECTORS[name](backend.k_pool, backend.v_pool, backend.block_size, **config, **extra)
-    connector.role = role
-    return connector

@@ -8,11 +8,11 @@ forward pass runs, and requests that arrive meanwhile join the next step.
 
 The thread owns the engine exclusively; nothing else calls into it while the server runs
 (``llm.generate`` on the same LLM at the same time would race it). The event loop talks to it
-through an inbox (add this request, abort that one) that the thread drains at the top of each
-iteration, and it sleeps on a ``threading.Event`` when it has nothing to do. Outputs go back
-to one ``RequestStream`` per HTTP request, all of a step's in one ``loop.call_soon_threadsafe``
-(the only safe way to wake an event loop from another thread; one wake-up per step, not one per
-stream). Every output is cumulative (all the text and tokens so far), so a stream keeps only the
+through an inbox of typed messages (``AddRequest``, ``AbortRequest``) that the thread drains at
+the top of each iteration, and it sleeps on a ``threading.Event`` when it has nothing to do.
+Outputs go back to one ``RequestStream`` per HTTP request as ``Delivery`` items, all of a step's
+in one ``loop.call_soon_threadsafe`` (the only safe way to wake an event loop from another
+thread; one wake-up per step, not one per stream). Every output is cumulative (all the text and tokens so far), so a stream keeps only the
 latest of each request and a consumer that falls behind skips the rest.
 
 This is chapter 06's first design, and ``--engine-in-process`` keeps it. Its cost is the GIL: the
@@ -27,22 +27,51 @@ pending request gets an error and ``is_healthy`` turns False (``/health`` answer
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, NamedTuple
 
+from ..engine.plug_points import PlugPoint, PlugRegistry
 from ..engine.request import Request, RequestOutput
 from ..frontend import PreparedRequest
 from .request_stream import EngineUnavailableError, QueueFullError, RequestFailedError, RequestStream
 
-__all__ = ["AsyncEngine", "EngineUnavailableError", "QueueFullError", "RequestFailedError", "RequestStream"]
+__all__ = ["AbortRequest", "AddRequest", "AsyncEngine", "Delivery", "EngineUnavailableError", "QueueFullError",
+           "RequestFailedError", "RequestStream"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Event loop -> loop thread: run ``prepared`` as ``request_id``; its outputs go to ``stream`` (at ``index``:
+    one stream may carry several requests) on the event loop ``loop``."""
+
+    prepared: PreparedRequest
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    stream: RequestStream
+    index: int
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Any thread -> loop thread: stop ``request_id`` and free its memory (a client went away)."""
+
+    request_id: str
+
+
+class Delivery(NamedTuple):
+    """Loop thread -> a consumer's event loop: one output (or the error that ends the request) for ``stream``.
+    A named tuple, so chapter 06's ``deliver(loop, items)`` may still unpack ``stream, index, item``."""
+
+    stream: RequestStream
+    index: int
+    item: RequestOutput | Exception
 
 
 @dataclass
@@ -63,20 +92,26 @@ class AsyncEngine:
     failed), called from the loop thread; ``serve.metrics.ServerMetrics`` is one.
     """
 
+    PLUG_POINTS = {  # chapter 06's exercise: how outputs reach a client
+        "stream_class": PlugPoint("stream_class", "stream_class(abort, request_ids): what a request's consumer reads"),
+        "deliver": PlugPoint("deliver", "deliver(loop, [Delivery(stream, index, item), ...]): the hand-over from "
+                             "the loop thread"),
+    }
+
     def __init__(self, llm, max_waiting_requests: int | None = 1024, metrics=None):
         self.llm, self.engine, self.frontend = llm, llm.engine, llm.frontend
         self.max_waiting_requests = max_waiting_requests
         self.metrics = metrics
         self._lock = threading.RLock()  # guards the inbox and _closed; reentrant: RequestStream.__del__
-        self._inbox: deque = deque()
+        self._inbox: deque[AddRequest | AbortRequest] = deque()
         self._queued = 0  # adds in the inbox: waiting, but not yet in the scheduler's queue
         self._closed = False  # no more requests: shut down, or the loop died
         self._stopping = False
         self._wake = threading.Event()
         self._live: dict[str, _Live] = {}  # loop thread only
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        if getattr(self.engine, "connector", None) is not None:
-            self.engine.connector.wake = self._wake.set  # a finished KV transfer wakes the loop
+        if self.engine.connector is not None:
+            self.engine.connector.transfer_listeners.append(self._wake.set)  # a finished KV transfer wakes the loop
         self.dead_reason: BaseException | None = None
         self.num_steps = 0  # steps this loop ran
         self.step_log: deque = deque(maxlen=4096)  # recent steps in wall-clock time, for timelines (step_record)
@@ -84,6 +119,7 @@ class AsyncEngine:
         self.peak_batch_size = 0  # the most requests one step ran: > 1 means clients shared steps
         # how outputs reach a client: its stream, and the hand-over from this thread (chapter 06 plugs its own)
         self.stream_class, self.deliver = RequestStream, _deliver
+        self.plug_points = PlugRegistry(self, describe="the serving loop")
 
     # ------------------------------------------------------------------ the event loop's side
 
@@ -93,18 +129,12 @@ class AsyncEngine:
                 self._thread.start()
         return self
 
-    @contextlib.contextmanager
     def plugged(self, stream_class=None, deliver=None):
         """``with engine.plugged(stream_class=MyStream, deliver=my_deliver): ...`` serves new requests through
-        chapter 06's pieces: ``stream_class(abort, request_ids)`` is what a request's consumer reads, and
-        ``deliver(loop, [(stream, index, item), ...])`` hands outputs to it from the loop thread. The engine's
-        own pieces come back on exit, also after an exception."""
-        old = self.stream_class, self.deliver
-        self.stream_class, self.deliver = stream_class or old[0], deliver or old[1]
-        try:
-            yield self
-        finally:
-            self.stream_class, self.deliver = old
+        chapter 06's pieces (``PLUG_POINTS``; None keeps the engine's own). The engine's own pieces come back on
+        exit, also after an exception."""
+        pieces = {"stream_class": stream_class, "deliver": deliver}
+        return self.plug_points.plugged({name: piece for name, piece in pieces.items() if piece is not None})
 
     @property
     def is_healthy(self) -> bool:
@@ -145,7 +175,7 @@ class AsyncEngine:
                 raise QueueFullError(f"the server is at capacity: {self.num_waiting} requests are waiting "
                                      f"(max_waiting_requests={limit}); retry later")
             for index, (p, rid) in enumerate(zip(prepared, request_ids)):
-                self._inbox.append(("add", p, rid, loop, stream, index))
+                self._inbox.append(AddRequest(p, rid, loop, stream, index))
             self._queued += len(prepared)
         self._wake.set()
         return stream
@@ -164,7 +194,7 @@ class AsyncEngine:
         with self._lock:
             if self._closed:
                 return  # the loop aborts everything it still holds on its way out
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(AbortRequest(request_id))
         self._wake.set()
 
     def shutdown(self, timeout: float = 10.0, wait: bool = True):
@@ -204,23 +234,25 @@ class AsyncEngine:
             self.dead_reason = exc
             log.exception("the engine loop died")
         finally:
+            if self.engine.connector is not None:  # a later loop on this engine adds its own
+                self.engine.connector.transfer_listeners.remove(self._wake.set)
             self._fail_everything(EngineUnavailableError(self.unavailable_reason()))
 
     def _drain_inbox(self):
         with self._lock:
             items, self._inbox = self._inbox, deque()
-            self._queued -= sum(item[0] == "add" for item in items)
+            self._queued -= sum(isinstance(item, AddRequest) for item in items)
         for item in items:
-            if item[0] == "add":
-                _, prepared, rid, loop, stream, index = item
+            if isinstance(item, AddRequest):
                 try:
-                    req = self.frontend.submit(prepared, rid)
+                    req = self.frontend.submit(item.prepared, item.request_id)
                 except Exception as exc:  # checked before, so rare: the engine was shut down under us
-                    self.deliver(loop, [(stream, index, RequestFailedError(f"{type(exc).__name__}: {exc}"))])
+                    error = RequestFailedError(f"{type(exc).__name__}: {exc}")
+                    self.deliver(item.loop, [Delivery(item.stream, item.index, error)])
                     continue
-                self._live[rid] = _Live(req, loop, stream, index)
+                self._live[item.request_id] = _Live(req, item.loop, item.stream, item.index)
             else:
-                live = self._live.pop(item[1], None)
+                live = self._live.pop(item.request_id, None)
                 if live is not None:
                     self.engine.abort(live.req)
                     self._finished(live.req)
@@ -240,7 +272,7 @@ class AsyncEngine:
         else:
             self._hook("on_step", self.engine, [], None)  # nothing ran, but blocks may have come back (aborts, PD)
         moved = {r.request_id for r in got}
-        outputs: dict[asyncio.AbstractEventLoop, list] = {}  # one hand-over per event loop and step
+        outputs: dict[asyncio.AbstractEventLoop, list[Delivery]] = {}  # one hand-over per event loop and step
         for rid, live in list(self._live.items()):
             if live.req.is_finished:
                 del self._live[rid]
@@ -250,7 +282,7 @@ class AsyncEngine:
                 item = dataclasses.replace(self.engine.output(live.req), text=live.req.streamable_text())
             else:
                 continue
-            outputs.setdefault(live.loop, []).append((live.stream, live.index, item))
+            outputs.setdefault(live.loop, []).append(Delivery(live.stream, live.index, item))
         for loop, items in outputs.items():
             self.deliver(loop, items)
         if not ran and self._live:
@@ -283,9 +315,8 @@ class AsyncEngine:
             items, self._inbox = self._inbox, deque()
             self._queued = 0
         for item in items:
-            if item[0] == "add":
-                _, _, _, loop, stream, index = item
-                self.deliver(loop, [(stream, index, error)])
+            if isinstance(item, AddRequest):
+                self.deliver(item.loop, [Delivery(item.stream, item.index, error)])
         lives, self._live = list(self._live.values()), {}
         try:
             self.engine.abort_requests([live.req for live in lives])
@@ -293,16 +324,16 @@ class AsyncEngine:
             log.exception("aborting the requests in flight failed")
         for live in lives:
             self._finished(live.req)
-            self.deliver(live.loop, [(live.stream, live.index, error)])
+            self.deliver(live.loop, [Delivery(live.stream, live.index, error)])
 
 
-def _put_all(items):
-    for stream, index, item in items:
-        stream.put(index, item)
+def _put_all(items: list[Delivery]):
+    for d in items:
+        d.stream.put(d.index, d.item)
 
 
-def _deliver(loop: asyncio.AbstractEventLoop, items: list):
-    """Hand outputs (or errors), ``(stream, index, item)``, to their consumers' event loop, from the engine thread."""
+def _deliver(loop: asyncio.AbstractEventLoop, items: list[Delivery]):
+    """Hand outputs (or errors) to their consumers' event loop, from the engine thread."""
     try:
         loop.call_soon_threadsafe(_put_all, items)
     except RuntimeError:  # that event loop is closed: nobody is listening any more

@@ -112,7 +112,7 @@ class EngineCoreClient:
             raise
         from ..models.loader import load_tokenizer
         self.model_path = ready.model_path
-        self.limits = EngineLimits(**ready.limits)
+        self.limits = ready.limits
         self.max_num_seqs, self.device = ready.max_num_seqs, ready.device
         tokenizer = load_tokenizer(ready.model_path)
         model_name = os.path.basename(ready.model_path.rstrip("/"))
@@ -219,7 +219,7 @@ class EngineCoreClient:
         return None if body is None else (body, CONTENT_TYPE_LATEST)
 
     async def pd_timeline(self, since: float) -> dict:
-        return await self._call("timeline", [since])
+        return await self._call("timeline", since=since)
 
     async def stats(self) -> dict:
         return await self._call("stats")
@@ -267,13 +267,13 @@ class EngineCoreClient:
         except zmq.ZMQError as exc:  # the core stopped reading: it is gone or wedged
             self._lost(f"the engine core does not take messages ({exc}); restart the server")
 
-    async def _call(self, name: str, args: list | None = None, timeout: float = 30.0):
+    async def _call(self, name: str, since: float = 0.0, timeout: float = 30.0):
         if self._closed or not self.process.is_alive():
             raise EngineUnavailableError(self.unavailable_reason())
         self.start()
         call_id = next(self._call_ids)
         future = self._calls[call_id] = asyncio.get_running_loop().create_future()
-        self._pending.calls.append(Call(call_id, name, args or []))
+        self._pending.calls.append(Call(call_id, name, since))
         self._schedule_flush()
         try:
             return await asyncio.wait_for(future, timeout)

@@ -18,7 +18,6 @@ ignores it and lets the frontend, which answers the clients, decide how to stop.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -76,7 +75,7 @@ def run_engine_core(spec: CoreSpec):
     if spec.metrics:
         from .metrics import ServerMetrics
         metrics = ServerMetrics(spec.model_name or engine.model_path.name, max_model_len=engine.max_model_len)
-    outbox.send(encoder.encode(Ready(str(engine.model_path), dataclasses.asdict(engine.limits),
+    outbox.send(encoder.encode(Ready(str(engine.model_path), engine.limits,
                                      engine.config.max_num_seqs, str(engine.device))))
     try:
         EngineCore(engine, inbox, outbox, metrics).run()
@@ -174,11 +173,9 @@ class EngineCore:
             if call.name == "metrics":
                 value = None if self.metrics is None else self.metrics.render()[0]
             elif call.name == "timeline":
-                value = timeline(self.engine.connector, list(self.step_log), float(call.args[0]))
-            elif call.name == "stats":
+                value = timeline(self.engine.connector, list(self.step_log), call.since)
+            else:  # "stats": the name's three values are checked when the message is decoded
                 value = self.engine.stats()
-            else:
-                raise ValueError(f"no call {call.name!r}")
             return Answer(call.call_id, msgspec.Raw(self.encoder.encode(value)))
         except Exception as exc:
             return Answer(call.call_id, error=f"{type(exc).__name__}: {exc}")

@@ -10,7 +10,11 @@ spends its time, and its GIL, on the model.
 """
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
+
+from ..engine.limits import EngineLimits
 
 
 class AddRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -29,12 +33,13 @@ class FinishRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     keep_tokens: int | None = None  # ``stop``: the output tokens up to the stop string; the rest never were
 
 
-class Call(msgspec.Struct, array_like=True):
-    """A question for the core, answered between steps: ``metrics``, ``timeline``, ``stats``."""
+class Call(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A question for the core, answered between steps: ``metrics``, ``timeline``, ``stats``. The name is one of
+    those three and the argument a typed field, so a question the core cannot answer fails at decoding."""
 
     call_id: int
-    name: str
-    args: list = []
+    name: Literal["metrics", "timeline", "stats"]
+    since: float = 0.0  # ``timeline``: steps and transfers that ended after this wall-clock time
 
 
 class CoreInput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -77,7 +82,7 @@ class Ready(msgspec.Struct, array_like=True, tag=True):
     """The core's first message: the engine is built; what the frontend needs to check and tokenize."""
 
     model_path: str
-    limits: dict  # ``EngineLimits`` fields
+    limits: EngineLimits  # a dataclass, encoded field by field and made again (checked) on the other side
     max_num_seqs: int
     device: str
 

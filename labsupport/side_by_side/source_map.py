@@ -125,7 +125,7 @@ MECHANISMS = [dict(zip(("mechanism", "chapter", "ours", "vllm", "differs"), (m, 
      "benchmarks/serve.py:benchmark benchmarks/serve.py:calculate_metrics benchmarks/datasets/datasets.py:RandomDataset "
      "entrypoints/cli/benchmark/serve.py:BenchmarkServingSubcommand",
      "the same metrics (TTFT, TPOT, ITL, E2EL, goodput); `vllm bench serve` drives either server"),
-    ("KV connector interface", "07", "pd/connector.py:KVConnectorBase", f"{KV}base.py:KVConnectorBase_V1",
+    ("KV connector interface", "07", "engine/kv_connector.py:KVConnectorBase", f"{KV}base.py:KVConnectorBase_V1",
      "vLLM makes a scheduler-side and a worker-side instance (KVConnectorRole), often in two processes"),
     ("Pull connector", "07", "pd/connector.py:TcpConnector",
      f"{NIXL}connector.py:NixlConnector {NIXL}connector.py:NixlPullConnector {NIXL}pull_worker.py:NixlPullConnectorWorker",
@@ -182,6 +182,9 @@ CONNECTOR_METHODS = [
          "vLLM reports the block ids that failed, ours the request ids with a reason"),
         ("close", "worker", "shutdown", False, "connector.py:NixlBaseConnector.shutdown", "renamed"),
     ]]
+# our connector's methods that vLLM's base class has no counterpart of, and why they exist
+CONNECTOR_OURS_ONLY = {"check_params": "refuses kv_transfer_params it could not follow when a request is made, so a "
+                                       "bad field fails that request, not a step of others"}
 
 # (feature, vLLM's references, what it is)
 NOT_IN_OURS = [{"feature": f, "vllm": refs.split(), "what": what} for f, refs, what in [
