@@ -78,8 +78,8 @@ def check_invariants(s: Scheduler, kv: KVCacheManager, runner: FakeRunner, reque
         assert 0 <= req.num_computed_tokens <= req.num_tokens
         if req.status is RequestStatus.RUNNING:
             assert len(req.block_table) * bs >= req.num_computed_tokens
-            assert req.block_hashes == chain_hashes(req.all_token_ids[:len(req.block_hashes) * bs], bs,
-                                                    req.cache_salt)
+            assert req.kv.block_hashes == chain_hashes(req.all_token_ids[:len(req.kv.block_hashes) * bs], bs,
+                                                    req.kv.cache_salt)
         else:
             assert req.block_table == [] and req.request_id not in kv.tables
     assert {id(r) for r in s.running} == {id(r) for r in requests if r.status is RequestStatus.RUNNING}

@@ -96,11 +96,9 @@ class LLMEngine(PlugPoints):
             if params.n > self.config.max_num_seqs:
                 raise ValueError(f"n={params.n} samples need as many sequence slots: max_num_seqs is "
                                  f"{self.config.max_num_seqs}")
-        req = Request(prompt_token_ids, params, request_id, prompt, cache_salt)
+        req = Request(prompt_token_ids, params, request_id, prompt, cache_salt, self.scheduler.eos_token_ids)
         if params.structured_outputs is not None:  # compiled here, in the engine: a failure is this request's error
             self.structured_outputs.add(req)
-        if not params.ignore_eos:
-            req.all_stop_token_ids |= self.scheduler.eos_token_ids  # min_tokens holds EOS back too
         if self.config.detokenize:
             self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                                                        params.stop, params.min_tokens)
@@ -173,9 +171,9 @@ class LLMEngine(PlugPoints):
                     self.tokenizer, req.prompt_token_ids, req.params.stop, req.params.min_tokens)
             cut = catch_up(detok, req.output_token_ids, req.num_new_output_tokens, req.is_finished, req.finish_reason)
             stopped = cut is not None
-            if stopped:  # accepted guesses past a stop string: plain decoding would never have made them
-                del req.output_token_ids[cut:], req.logprobs[cut:], req.metrics.token_times[cut:]
-            req.text = detok.text
+            if stopped:
+                self.scheduler.drop_tokens_after(req, cut)
+            req.text = detok.text  # the engine owns detokenization: the text is the detokenizer's, as it stands
             if stopped and not req.is_finished:
                 self.scheduler.finish(req, "stop")
                 out.finished.append(req)
@@ -247,9 +245,9 @@ class LLMEngine(PlugPoints):
         """The request as the API sees it; logprobs only for a request that asked for them."""
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.text,
                              list(req.output_token_ids), req.finish_reason, req.metrics,
-                             logprobs=None if req.params.logprobs is None else list(req.logprobs),
-                             prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
-                             num_cached_tokens=req.num_cached_tokens, kv_transfer_params=req.kv_transfer_params,
+                             logprobs=None if req.params.logprobs is None else list(req.logprobs.output),
+                             prompt_logprobs=None if req.logprobs.prompt is None else list(req.logprobs.prompt),
+                             num_cached_tokens=req.num_cached_tokens, kv_transfer_params=req.remote_kv.transfer_params,
                              samples=[LLMEngine.output(sample) for sample in req.samples])
 
     def stats(self) -> dict:

@@ -78,7 +78,8 @@ class RequestLifecycle:
             accepted = accepted_all.get(i, [])
             if guessed:
                 count_verification(self.counters, guessed, len(accepted))
-            req.spec_token_ids, req.spec_draft_probs, req.num_new_output_tokens = [], None, 0
+            req.spec.drop()                             # verified now: the next guesses come after this step
+            req.num_new_output_tokens = 0
             if start + fed < req.num_tokens:
                 req.num_computed_tokens = start + fed if self.kv.keeps_kv else 0
                 self.kv.cache_full_blocks(req)
@@ -94,7 +95,7 @@ class RequestLifecycle:
             for new_token, new_lp in zip([*accepted, token], new_logprobs):
                 req.output_token_ids.append(new_token)
                 if new_lp is not None:
-                    req.logprobs.append(new_lp)
+                    req.logprobs.output.append(new_lp)
                 req.metrics.token_times.append(now)
                 req.metrics.first_token_time = req.metrics.first_token_time or now
                 req.num_new_output_tokens += 1
@@ -115,6 +116,25 @@ class RequestLifecycle:
                 out.finished.append(req)
         return got_token
 
+    def mark_running(self, req: Request, hit: PrefixHit | None):
+        """WAITING -> RUNNING (``Scheduler.admit``): its computed tokens are the prefix ``hit``'s (without a hit, a
+        request whose KV arrived from another engine keeps its computed tokens)."""
+        if hit is not None or not req.block_table:
+            req.num_computed_tokens = self.kv.use_cached_prefix(req, hit) if hit is not None else 0
+        if req.metrics.first_scheduled_time is None:  # usage reports the first admission's hit, not a re-admission's
+            req.num_cached_tokens = req.num_computed_tokens
+        req.status = RequestStatus.RUNNING
+        req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or time.perf_counter()
+
+    def mark_preempted(self, req: Request):
+        """RUNNING -> WAITING by recompute (``Scheduler.preempt``): its KV is freed, nothing of it stays computed,
+        its guesses go; its tokens so far are kept."""
+        self.kv.release(req)
+        req.num_computed_tokens = req.spec.num_draft_computed = 0
+        req.spec.drop()
+        req.status = RequestStatus.WAITING
+        req.metrics.num_preemptions += 1
+
     def fork_samples(self, req: Request):
         """``n > 1``: the prompt's KV is computed (once), so samples 1 .. n-1 start now from the same blocks,
         shared. Each recomputes the prompt's last token to draw its own first token (the logits of that
@@ -131,7 +151,7 @@ class RequestLifecycle:
     def record_prompt_logprobs(out: SchedulerOutput, sampled: list[int]):
         """Store the prompt logprobs the runner computed this step (a prompt may come in chunks)."""
         for i, (first, found) in getattr(sampled, "prompt_logprobs", {}).items():
-            recorded = out.requests[i].prompt_logprobs
+            recorded = out.requests[i].logprobs.prompt
             recorded.extend([None] * (first - len(recorded)))  # no gap with the engine's own scheduling
             recorded[first:first + len(found)] = found
 
@@ -149,6 +169,12 @@ class RequestLifecycle:
             return "length"
         return None
 
+    @staticmethod
+    def drop_tokens_after(req: Request, keep: int):
+        """A stop string ended ``req`` after its first ``keep`` output tokens: the tokens past it (accepted
+        guesses of the same step) never were, as plain decoding would never have made them."""
+        del req.output_token_ids[keep:], req.logprobs.output[keep:], req.metrics.token_times[keep:]
+
     def finish(self, req: Request, reason: str):
         """The request leaves (done, stopped by a stop string, aborted, failed): its memory is freed now,
         unless the KV connector keeps it for another engine to pull, or a load is still writing into it."""
@@ -164,7 +190,7 @@ class RequestLifecycle:
         if loading:
             return  # its blocks go when the load ends (poll_connector): the load may still be writing them
         if self.connector is not None:
-            delay_free, req.kv_transfer_params = self.connector.request_finished(req, list(req.block_table))
+            delay_free, req.remote_kv.transfer_params = self.connector.request_finished(req, list(req.block_table))
             if delay_free:
                 self.held[req.request_id] = req
                 return
@@ -204,7 +230,7 @@ class RequestLifecycle:
             req = self.loading.pop(rid, None)
             if req is None:
                 continue
-            req.kv_load_done = True
+            req.remote_kv.load_done = True
             if req.is_finished:  # aborted while loading: the load has ended, the blocks may go
                 self.kv.release(req)
                 continue
@@ -214,7 +240,7 @@ class RequestLifecycle:
                 self.finish(req, "error")
                 continue
             if rid not in failed:
-                req.num_external_tokens = len(req.prompt_token_ids) - 1 - req.num_computed_tokens
+                req.remote_kv.num_external_tokens = len(req.prompt_token_ids) - 1 - req.num_computed_tokens
                 req.num_computed_tokens = len(req.prompt_token_ids) - 1
             req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)

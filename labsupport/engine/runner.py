@@ -34,7 +34,7 @@ class ModelRunner:
             start = req.num_computed_tokens
             token_ids += req.all_token_ids[start:start + n]
             if start + n > req.num_tokens:  # speculative decoding: guesses after the real tokens
-                token_ids += req.spec_token_ids[:start + n - req.num_tokens]
+                token_ids += req.spec.token_ids[:start + n - req.num_tokens]
             positions += range(start, start + n)
         meta = self.backend.prepare(batch.requests, batch.num_new_tokens)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
@@ -69,8 +69,8 @@ class ModelRunner:
         for i, s in enumerate(guesses):
             if s:
                 req, end = batch.requests[i], ends[i]
-                emitted, lps = self.sampler.verify(logits[end - 1 - s:end], req, req.spec_token_ids[:s],
-                                                   None if req.spec_draft_probs is None else req.spec_draft_probs[:s],
+                emitted, lps = self.sampler.verify(logits[end - 1 - s:end], req, req.spec.token_ids[:s],
+                                                   None if req.spec.draft_probs is None else req.spec.draft_probs[:s],
                                                    self.rejection_sample)
                 out[i], out.spec_accepted[i] = emitted[-1], emitted[:-1]
                 out.logprobs[i] = None if lps is None else lps[-1]
@@ -114,10 +114,10 @@ def prompt_logprobs(model: LlamaForCausalLM, hidden: torch.Tensor, batch: Schedu
     wanted = []  # (request index, first prompt token, hidden rows, the tokens they predict, k)
     for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
         k = option(req, "prompt_logprobs")
-        if k is None or req.prompt_logprobs is None:
+        if k is None or req.logprobs.prompt is None:
             continue
         start = req.num_computed_tokens
-        first = max(start, len(req.prompt_logprobs) - 1)  # positions before this one are recorded already
+        first = max(start, len(req.logprobs.prompt) - 1)  # positions before this one are recorded already
         end = min(start + n, len(req.prompt_token_ids) - 1)  # the last prompt position predicts an output token
         if first < end:
             rows = range(query_offsets[i] + first - start, query_offsets[i] + end - start)
