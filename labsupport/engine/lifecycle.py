@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from .kv_cache_manager import PrefixHit
+from .outputs import ModelRunnerOutput
 from .request import Request, RequestStatus
 from .spec_decode import count_verification
 
@@ -56,7 +57,7 @@ class RequestLifecycle:
     """Moves requests forward after each step and frees what they held; mixed into ``Scheduler``, whose
     ``running``/``waiting`` lists, ``kv`` manager, ``counters`` and ``connector`` it reads and writes."""
 
-    def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: ModelRunnerOutput) -> list[Request]:
         """Advance every request of the step; returns those that received a token (finished ones too).
 
         A request that was fed its last pending token gets the sampled token; a prompt chunk that
@@ -68,14 +69,13 @@ class RequestLifecycle:
         now = time.perf_counter()
         got_token = []
         self.record_prompt_logprobs(out, sampled)
-        logprobs = getattr(sampled, "logprobs", None) or [None] * len(sampled)  # a plain list: tokens only
-        accepted_all = getattr(sampled, "spec_accepted", {})
-        for i, (req, n, token, token_logprobs) in enumerate(zip(out.requests, out.num_new_tokens, sampled, logprobs)):
+        for i, (req, n, token, token_logprobs) in enumerate(zip(out.requests, out.num_new_tokens, sampled.token_ids,
+                                                                 sampled.logprobs)):
             start = req.num_computed_tokens
             guessed = max(0, start + n - req.num_tokens)  # guesses fed after the real tokens
             fed = n - guessed
             self.counters["prompt_tokens_computed"] += max(0, min(len(req.prompt_token_ids), start + fed) - start)
-            accepted = accepted_all.get(i, [])
+            accepted = sampled.spec_accepted.get(i, [])
             if guessed:
                 count_verification(self.counters, guessed, len(accepted))
             req.spec.drop()                             # verified now: the next guesses come after this step
@@ -90,7 +90,7 @@ class RequestLifecycle:
                 self.finish(req, "length")
                 out.finished.append(req)
                 continue
-            new_logprobs = [*getattr(sampled, "spec_logprobs", {}).get(i, [None] * len(accepted)), token_logprobs]
+            new_logprobs = [*sampled.spec_logprobs.get(i, [None] * len(accepted)), token_logprobs]
             reason = None
             for new_token, new_lp in zip([*accepted, token], new_logprobs):
                 req.output_token_ids.append(new_token)
@@ -148,9 +148,9 @@ class RequestLifecycle:
             self.running.append(child)
 
     @staticmethod
-    def record_prompt_logprobs(out: SchedulerOutput, sampled: list[int]):
+    def record_prompt_logprobs(out: SchedulerOutput, sampled: ModelRunnerOutput):
         """Store the prompt logprobs the runner computed this step (a prompt may come in chunks)."""
-        for i, (first, found) in getattr(sampled, "prompt_logprobs", {}).items():
+        for i, (first, found) in sampled.prompt_logprobs.items():
             recorded = out.requests[i].logprobs.prompt
             recorded.extend([None] * (first - len(recorded)))  # no gap with the engine's own scheduling
             recorded[first:first + len(found)] = found

@@ -12,7 +12,8 @@ import torch
 
 from ..models.llama import LlamaForCausalLM
 from .attention import AttentionBackend, AttentionBatch, RecomputeAttention
-from .sampler import Sampler, SamplerOutput, logprob_dicts, option
+from .outputs import ModelRunnerOutput
+from .sampler import Sampler, logprob_dicts, option
 from .spec_decode import rejection_sample
 from .scheduler import SchedulerOutput
 
@@ -26,7 +27,7 @@ class ModelRunner:
         self.cpu_layers = None  # CpuDecodeLayers on a CPU (cpu_decode_layers.py): small decode steps, a C++ call a layer
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> list[int]:
+    def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
         if self.graphs is not None and self.graphs.backend is self.backend and self.graphs.can_run(batch):
             return self.sampler.sample(self.graphs.run(batch), batch.requests)
         token_ids, positions = [], []
@@ -63,16 +64,16 @@ class ModelRunner:
         last = logits[torch.tensor([ends[i] - 1 for i in plain], dtype=torch.long, device=self.device)]
         picked = self.sampler.sample(last, [batch.requests[i] for i in plain], [batch.num_new_tokens[i] for i in plain])
         tokens, logprobs = [0] * len(guesses), [None] * len(guesses)
-        for i, token, lp in zip(plain, picked, picked.logprobs):
+        for i, token, lp in zip(plain, picked.token_ids, picked.logprobs):
             tokens[i], logprobs[i] = token, lp
-        out = SamplerOutput(tokens, logprobs)
+        out = ModelRunnerOutput(tokens, logprobs)
         for i, s in enumerate(guesses):
             if s:
                 req, end = batch.requests[i], ends[i]
                 emitted, lps = self.sampler.verify(logits[end - 1 - s:end], req, req.spec.token_ids[:s],
                                                    None if req.spec.draft_probs is None else req.spec.draft_probs[:s],
                                                    self.rejection_sample)
-                out[i], out.spec_accepted[i] = emitted[-1], emitted[:-1]
+                out.token_ids[i], out.spec_accepted[i] = emitted[-1], emitted[:-1]
                 out.logprobs[i] = None if lps is None else lps[-1]
                 if lps is not None:
                     out.spec_logprobs[i] = lps[:-1]

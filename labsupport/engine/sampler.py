@@ -19,26 +19,8 @@ from __future__ import annotations
 import torch
 
 from .logits_processors import Penalties, apply_logit_bias, has_penalties
+from .outputs import ModelRunnerOutput
 from .request import Request
-
-
-class SamplerOutput(list):
-    """The step's sampled token ids, one per request: a list, so code that wants only the tokens
-    (the scheduler's tests, the benchmarks) uses it as before.
-
-    Besides: ``logprobs[i]``, request i's ``{token id: logprob}`` (None unless it asked), and
-    ``prompt_logprobs``, request index -> (index of the first prompt token covered, one dict per
-    prompt token), filled by the runner on steps that feed the prompt of a request that asked.
-    """
-
-    def __init__(self, token_ids: list[int], logprobs: list[dict[int, float] | None] | None = None):
-        super().__init__(token_ids)
-        self.logprobs = logprobs if logprobs is not None else [None] * len(token_ids)
-        self.prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = {}
-        # speculative decoding (chapter 09): request index -> its accepted guesses, emitted before its
-        # token here, and their logprobs (if it asked)
-        self.spec_accepted: dict[int, list[int]] = {}
-        self.spec_logprobs: dict[int, list[dict[int, float]]] = {}
 
 
 def option(req, name: str, default=None):
@@ -66,7 +48,7 @@ class Sampler:
         self.structured = None  # StructuredOutputs, set by the engine (it needs the tokenizer)
 
     def sample(self, logits: torch.Tensor, requests: list[Request],
-               num_new_tokens: list[int] | None = None) -> SamplerOutput:
+               num_new_tokens: list[int] | None = None) -> ModelRunnerOutput:
         """logits: [num_requests, vocab] -> one token id per request, with logprobs where asked.
 
         ``num_new_tokens`` (tokens each request fed this step) tells which requests are still inside
@@ -89,7 +71,7 @@ class Sampler:
         if self.structured is not None:
             self.structured.accept(requests, tokens, kept)
         asked = [req if k else None for req, k in zip(requests, kept)]
-        return SamplerOutput(tokens, self._logprobs(raw, asked, tokens))
+        return ModelRunnerOutput(tokens, self._logprobs(raw, asked, tokens))
 
     def _bias_and_penalize(self, logits: torch.Tensor, raw: torch.Tensor, requests: list[Request],
                            kept: list[bool]) -> torch.Tensor:
