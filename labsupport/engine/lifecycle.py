@@ -21,6 +21,7 @@ from .kv_cache_manager import PrefixHit
 from .outputs import ModelRunnerOutput
 from .request import Request, RequestStatus
 from .spec_decode import count_verification
+from .stopping import token_stop_reason
 
 
 @dataclass
@@ -156,18 +157,8 @@ class RequestLifecycle:
             recorded[first:first + len(found)] = found
 
     def stop_reason(self, req: Request, token: int) -> str | None:
-        """EOS or a stop token id ends a request once ``min_tokens`` tokens came before it (the sampler
-        does not draw them earlier; this holds for any runner); ``max_tokens`` and the context always do.
-        A structured-output request draws one earlier only when its grammar has ended and allows nothing
-        else (``Sampler._hold_back_stop_tokens``): then it ends there, as the grammar says."""
-        if len(req.output_token_ids) > req.params.min_tokens or getattr(req.params, "structured_outputs", None):
-            if token in self.eos_token_ids and not req.params.ignore_eos:
-                return "stop"
-            if token in req.params.stop_token_ids:
-                return "stop"
-        if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.longest:
-            return "length"
-        return None
+        """``stopping.token_stop_reason`` with this engine's EOS ids and longest request."""
+        return token_stop_reason(req, token, self.eos_token_ids, self.longest)
 
     @staticmethod
     def drop_tokens_after(req: Request, keep: int):

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from .logits_processors import check_logit_bias, check_penalties
+from .stopping import streamable
 from .structured_output import normalize as normalize_structured_outputs
 
 
@@ -288,8 +289,7 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def streamable_text(self) -> str:
-        """The text a client may be sent already (``detokenizer.streamable``: a possible stop string held back)."""
-        from .detokenizer import streamable
+        """The text a client may be sent already (``stopping.streamable``: a possible stop string held back)."""
         return streamable(self.text, self.params.stop, self.is_finished)
 
     def __repr__(self):

@@ -20,6 +20,7 @@ import torch
 
 from .logits_processors import Penalties, apply_logit_bias, has_penalties
 from .outputs import ModelRunnerOutput
+from .stopping import may_stop
 from .request import Request
 
 
@@ -91,7 +92,7 @@ class Sampler:
         """min_tokens: EOS and the stop token ids get -inf until the request has that many tokens; a row
         the grammar left nothing else in keeps them (vLLM restores them so: a finished grammar must stop)."""
         rows = [(i, [t for t in req.all_stop_token_ids if t < logits.shape[-1]]) for i, req in enumerate(requests)
-                if len(getattr(req, "output_token_ids", ())) < option(req, "min_tokens", 0)]
+                if not may_stop(len(getattr(req, "output_token_ids", ())) + 1, option(req, "min_tokens", 0))]
         if not any(ids for _, ids in rows):
             return logits
         held = logits.clone()  # the raw logits stay as they are: logprobs are computed from them
@@ -127,11 +128,11 @@ class Sampler:
         the token plain greedy decoding would have chosen."""
         done = len(req.output_token_ids)
         rows = logits
-        if done < option(req, "min_tokens", 0):
+        if not may_stop(done + 1, option(req, "min_tokens", 0)):
             held = [t for t in req.all_stop_token_ids if t < logits.shape[-1]]
             rows = logits.clone()
             for j in range(rows.shape[0]):
-                if done + j < req.params.min_tokens:
+                if not may_stop(done + j + 1, req.params.min_tokens):
                     rows[j, held] = float("-inf")
         if req.params.greedy:
             target = torch.nn.functional.one_hot(rows.argmax(dim=-1), rows.shape[-1]).to(torch.float32)
