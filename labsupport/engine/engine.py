@@ -78,10 +78,16 @@ class LLMEngine(PlugPoints):
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, prompt: str | None = None,
-                    cache_salt: str | None = None) -> Request:
+                    cache_salt: str | None = None, prompt_checked: bool = False) -> Request:
+        """Queue a request; raises ValueError, saying what to change, for one this engine cannot run.
+        ``prompt_checked``: the caller ran ``check_prompt`` on this engine already (``Frontend.prepare``
+        does, before anything is queued), so the prompt is checked once on its way in."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        self.check_prompt(prompt_token_ids)
+        if prompt_checked:
+            self.check_alive()  # what check_prompt would also have said
+        else:
+            self.check_prompt(prompt_token_ids)
         self.check_params(params)
         if isinstance(self.kv, ContiguousKVManager) and self.kv.budget_bytes is not None:
             need = self.kv.reservation_bytes(len(prompt_token_ids), params.max_tokens)
