@@ -76,7 +76,8 @@ def test_every_cpp_source_is_package_data():
 
 # ---------------------------------------------------------------------- who writes a request's state
 
-REQUEST_NAMES = {"req", "request", "child", "r", "seq", "sample", "parent"}  # what the package calls a Request
+REQUEST_NAMES = {"req", "request", "child", "r", "seq", "sample", "parent",  # what the package calls a Request
+                 "requests", "reqs"}  # ... or a list of them: requests[i].metrics.arrival_time = ...
 MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "update", "add", "discard", "sort", "reverse"}
 STATE_FILES = {"engine/request.py", "engine/lifecycle.py"}  # the request itself, and update_from_output's half
 PART_OWNERS = {"kv": {"engine/kv_cache_manager.py"}}  # the block table and its hashes: the KV manager's alone
