@@ -119,7 +119,8 @@ class Frontend:
 
     def submit(self, prepared: PreparedRequest, request_id: str | None = None) -> Request:
         return self.engine.add_request(prepared.prompt_token_ids, prepared.params, request_id=request_id,
-                                       prompt=prepared.prompt, cache_salt=prepared.cache_salt)
+                                       prompt=prepared.prompt, cache_salt=prepared.cache_salt,
+                                       prompt_checked=True)  # prepare() checked it
 
     def complete(self, prepared: PreparedRequest, req: Request) -> RequestOutput:
         """The finished request's output; a complete deterministic answer goes into the result cache."""

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from labsupport.engine.block_pool import BlockAllocator, blocks_needed, slot_mapping
 from labsupport.engine.config import EngineConfig
 from labsupport.engine.kv_cache_manager import KVCacheManager
+from labsupport.engine.outputs import ModelRunnerOutput
 from labsupport.engine.prefix_cache import CPUTier, chain_hashes
 from labsupport.engine.request import Request, RequestStatus, SamplingParams
 from labsupport.engine.scheduler import Scheduler
@@ -50,7 +51,7 @@ class FakeRunner:
         self.k = [torch.full((1, num_blocks * block_size, 1), -1.0)]  # the engine's layout: [Hkv, slots, D]
         self.v = [torch.zeros(1, num_blocks * block_size, 1)]
 
-    def execute(self, out) -> list[int]:
+    def execute(self, out) -> ModelRunnerOutput:
         sampled = []
         for req, n in zip(out.requests, out.num_new_tokens):
             start = req.num_computed_tokens
@@ -58,7 +59,7 @@ class FakeRunner:
             self.k[0][0, slots, 0] = torch.tensor(req.all_token_ids[start:start + n], dtype=torch.float32)
             seen = self.k[0][0, slot_mapping(req.block_table, 0, start + n, self.bs), 0].long().tolist()
             sampled.append(next_token(seen))
-        return sampled
+        return ModelRunnerOutput(sampled)
 
 
 def check_invariants(s: Scheduler, kv: KVCacheManager, runner: FakeRunner, requests: list[Request]):
@@ -78,8 +79,8 @@ def check_invariants(s: Scheduler, kv: KVCacheManager, runner: FakeRunner, reque
         assert 0 <= req.num_computed_tokens <= req.num_tokens
         if req.status is RequestStatus.RUNNING:
             assert len(req.block_table) * bs >= req.num_computed_tokens
-            assert req.block_hashes == chain_hashes(req.all_token_ids[:len(req.block_hashes) * bs], bs,
-                                                    req.cache_salt)
+            assert req.kv.block_hashes == chain_hashes(req.all_token_ids[:len(req.kv.block_hashes) * bs], bs,
+                                                    req.kv.cache_salt)
         else:
             assert req.block_table == [] and req.request_id not in kv.tables
     assert {id(r) for r in s.running} == {id(r) for r in requests if r.status is RequestStatus.RUNNING}

@@ -104,6 +104,17 @@ def test_bad_input_raises_value_error_and_queues_nothing(llm, call, message):
     assert llm.stats()["num_requests_waiting"] == 0 and llm.stats()["num_requests_running"] == 0
 
 
+def test_a_prompt_is_checked_once_on_its_way_in(llm, monkeypatch):
+    """``generate`` checks each prompt when it prepares it (before anything is queued); the engine trusts
+    that check instead of running it again when the request is added."""
+    checked = []
+    limits = type(llm.engine.limits)
+    original = limits.check_prompt
+    monkeypatch.setattr(limits, "check_prompt", lambda self, ids: (checked.append(list(ids)), original(self, ids)))
+    llm.generate(["one", "two"], GREEDY, use_tqdm=False)
+    assert len(checked) == 2
+
+
 def test_a_bad_prompt_in_a_list_loses_nothing(llm):
     with pytest.raises(ValueError):
         llm.generate(["fine", ""], GREEDY, use_tqdm=False)

@@ -76,7 +76,7 @@ def test_sampler_top_k_draws_only_the_k_most_likely_and_is_reproducible():
     for _ in range(2):
         req = Request([1], SamplingParams(temperature=1.5, top_k=5, seed=11), request_id="r")
         sampler = Sampler()
-        draws.append([sampler.sample(logits, [req])[0] for _ in range(200)])
+        draws.append([sampler.sample(logits, [req]).token_ids[0] for _ in range(200)])
     assert draws[0] == draws[1]
     assert set(draws[0]) <= top and len(set(draws[0])) > 1
 
@@ -86,11 +86,12 @@ def test_sampler_min_tokens_holds_back_stop_tokens_and_logprobs_stay_raw():
     logits[0, 7] = 5.0  # token 7 (a stop token) is the argmax
     req = Request([1], SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[7], logprobs=1))
     out = Sampler().sample(logits, [req])
-    assert out[0] != 7
+    token = out.token_ids[0]
+    assert token != 7
     raw = torch.log_softmax(logits[0], -1)
-    assert out.logprobs[0] == {out[0]: pytest.approx(raw[out[0]].item()), 7: pytest.approx(raw[7].item())}
-    req.output_token_ids = [out[0], out[0]]
-    assert Sampler().sample(logits, [req])[0] == 7
+    assert out.logprobs[0] == {token: pytest.approx(raw[token].item()), 7: pytest.approx(raw[7].item())}
+    req.output_token_ids = [token, token]
+    assert Sampler().sample(logits, [req]).token_ids[0] == 7
 
 
 def test_sampler_computes_no_logprobs_when_none_asked():

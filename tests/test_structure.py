@@ -210,3 +210,95 @@ def test_plug_code_writes_no_instance_dict_directly():
                  for node in ast.walk(ast.parse(path.read_text()))
                  if isinstance(node, ast.Attribute) and node.attr == "__dict__"]
     assert not offenders, f"__dict__ written in plug code: {offenders}"
+
+
+# ---------------------------------------------------------------------- who writes a request's state
+
+REQUEST_NAMES = {"req", "request", "child", "r", "seq", "sample", "parent",  # what the package calls a Request
+                 "requests", "reqs"}  # ... or a list of them: requests[i].metrics.arrival_time = ...
+MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "update", "add", "discard", "sort", "reverse"}
+STATE_FILES = {"engine/request.py", "engine/lifecycle.py"}  # the request itself, and update_from_output's half
+PART_OWNERS = {"kv": {"engine/kv_cache_manager.py"}}  # the block table and its hashes: the KV manager's alone
+MOST_WRITES_ELSEWHERE = 4
+
+
+def request_fields() -> set[str]:
+    """The attributes ``Request.__init__`` gives a request (``self.x = ...``), read from the source."""
+    tree = ast.parse((ROOT / "engine" / "request.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Request")
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    targets = [t for n in ast.walk(init) if isinstance(n, (ast.Assign, ast.AnnAssign))
+               for t in (n.targets if isinstance(n, ast.Assign) else [n.target])]
+    return {a.attr for t in targets for a in ast.walk(t)
+            if isinstance(a, ast.Attribute) and isinstance(a.value, ast.Name) and a.value.id == "self"}
+
+
+def _chain(node) -> tuple[str, list[str]] | None:
+    """``req.kv.block_table[i]`` -> ("req", ["kv", "block_table"]); None for anything not rooted at a name."""
+    attrs = []
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        if isinstance(node, ast.Attribute):
+            attrs.append(node.attr)
+        node = node.value
+    return (node.id, attrs[::-1]) if isinstance(node, ast.Name) and attrs else None
+
+
+def request_writes(path: Path, fields: set[str]) -> list[tuple[int, str]]:
+    """(line, ``name.field...``) of every assignment, ``del`` or in-place change (``.append`` ...) of a request's
+    state in ``path``: a target rooted at a request's usual name whose first attribute is one of Request's."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+            targets = [node.func.value]
+        else:
+            continue
+        for target in targets:
+            for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                chain = _chain(t)
+                if chain and chain[0] in REQUEST_NAMES and chain[1][0] in fields:
+                    found.append((node.lineno, ".".join([chain[0], *chain[1]])))
+    return found
+
+
+def test_a_request_has_at_most_18_attributes_of_its_own():
+    """Every request has a few fields; a chapter's feature keeps its state in one small part (``req.spec``,
+    ``req.remote_kv``, ...), so a reader sees what a request is without every chapter's details."""
+    fields = request_fields()
+    assert {"request_id", "output_token_ids", "num_computed_tokens", "kv", "spec"} <= fields  # the reader works
+    assert len(fields) <= 18, f"Request has {len(fields)} attributes: {sorted(fields)}"
+
+
+def test_request_state_is_written_in_two_files_and_the_kv_part_by_the_kv_manager():
+    """``update_from_output`` and its helpers (``lifecycle.py``) move a request forward; a write anywhere else is
+    one a reader must find, so there are at most four, each with a comment saying why it is there. The ``kv``
+    part (block table, block hashes) is written by the KV manager alone."""
+    fields = request_fields()
+    elsewhere, kv_writes = [], []
+    for path in MODULES.values():
+        name = path.relative_to(ROOT).as_posix()
+        lines = path.read_text().splitlines()
+        for line, target in request_writes(path, fields):
+            part = target.split(".")[1]
+            if part in PART_OWNERS:
+                if name not in PART_OWNERS[part] | {"engine/request.py"}:
+                    kv_writes.append(f"{name}:{line} {target}")
+            elif name not in STATE_FILES:
+                commented = "#" in lines[line - 1] or lines[line - 2].strip().startswith("#")
+                elsewhere.append((f"{name}:{line} {target}", commented))
+    assert not kv_writes, f"the kv part written outside the KV manager: {kv_writes}"
+    assert len(elsewhere) <= MOST_WRITES_ELSEWHERE, f"request state written outside {STATE_FILES}: {elsewhere}"
+    assert all(commented for _, commented in elsewhere), f"writes without a comment saying why: {elsewhere}"
+
+
+def test_the_write_finder_sees_assignments_deletions_and_in_place_changes():
+    fields = request_fields()
+    lifecycle = {target for _, target in request_writes(ROOT / "engine" / "lifecycle.py", fields)}
+    assert {"req.status", "req.output_token_ids", "req.metrics.token_times", "req.logprobs.output"} <= lifecycle
+    kv = {target for _, target in request_writes(ROOT / "engine" / "kv_cache_manager.py", fields)}
+    assert {"req.kv.block_table", "child.kv.block_table"} <= kv

@@ -17,9 +17,11 @@ streaming client never shows a half character ("KV\ufffd存") that the next chun
 
 Stop strings are searched for in the tail only (the new text plus the few characters before it
 that a stop string could straddle), and the text is cut where the first one begins. As in vLLM,
-they are looked for only once the output has more than ``min_tokens`` tokens.
+they are looked for only once the output has more than ``min_tokens`` tokens (``stopping.py``).
 """
 from __future__ import annotations
+
+from .stopping import find_stop_string, may_stop
 
 CONTEXT_TOKENS = 5  # prompt tokens decoded as context before the first output token (as vLLM does)
 
@@ -50,19 +52,14 @@ class IncrementalDetokenizer:
             return "", False  # nothing new yet: a special token, or a character still incomplete
         delta = after[len(before):]
         self.prefix, self.read = self.read, len(ids)
-        return self._append(delta, len(output_token_ids) > self.min_tokens)
+        return self._append(delta, may_stop(len(output_token_ids), self.min_tokens))
 
-    def _append(self, delta: str, may_stop: bool = True) -> tuple[str, bool]:
+    def _append(self, delta: str, search: bool = True) -> tuple[str, bool]:
         start = len(self.text)
         self.text += delta
-        if not self.stop or not may_stop:
+        cut = find_stop_string(self.text, start, self.stop) if search else None
+        if cut is None:
             return delta, False
-        longest = max(map(len, self.stop))
-        tail = max(0, start - longest + 1)  # a stop string may begin in the text before this delta
-        found = [i for i in (self.text.find(s, tail) for s in self.stop) if i >= 0]
-        if not found:
-            return delta, False
-        cut = min(found)
         self.text = self.text[:cut]
         return self.text[start:] if cut > start else "", True
 
@@ -85,9 +82,3 @@ def catch_up(detok: IncrementalDetokenizer, output_token_ids: list[int], num_new
             return upto
     return None
 
-
-def streamable(text: str, stop: list[str], finished: bool) -> str:
-    """The text a client may be sent already: while a request runs, the last characters that could still
-    turn out to begin a stop string are held back (they may yet be cut)."""
-    hold = max((len(s) for s in stop), default=1) - 1
-    return text if finished or hold == 0 else text[:max(0, len(text) - hold)]

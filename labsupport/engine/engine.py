@@ -82,10 +82,16 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, prompt: str | None = None,
-                    cache_salt: str | None = None) -> Request:
+                    cache_salt: str | None = None, prompt_checked: bool = False) -> Request:
+        """Queue a request; raises ValueError, saying what to change, for one this engine cannot run.
+        ``prompt_checked``: the caller ran ``check_prompt`` on this engine already (``Frontend.prepare``
+        does, before anything is queued), so the prompt is checked once on its way in."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        self.check_prompt(prompt_token_ids)
+        if prompt_checked:
+            self.check_alive()  # what check_prompt would also have said
+        else:
+            self.check_prompt(prompt_token_ids)
         self.check_params(params)
         if isinstance(self.kv, ContiguousKVManager) and self.kv.budget_bytes is not None:
             need = self.kv.reservation_bytes(len(prompt_token_ids), params.max_tokens)
@@ -100,11 +106,9 @@ class LLMEngine:
             if params.n > self.config.max_num_seqs:
                 raise ValueError(f"n={params.n} samples need as many sequence slots: max_num_seqs is "
                                  f"{self.config.max_num_seqs}")
-        req = Request(prompt_token_ids, params, request_id, prompt, cache_salt)
+        req = Request(prompt_token_ids, params, request_id, prompt, cache_salt, self.scheduler.eos_token_ids)
         if params.structured_outputs is not None:  # compiled here, in the engine: a failure is this request's error
             self.structured_outputs.add(req)
-        if not params.ignore_eos:
-            req.all_stop_token_ids |= self.scheduler.eos_token_ids  # min_tokens holds EOS back too
         if self.config.detokenize:
             self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                                                        params.stop, params.min_tokens)
@@ -201,9 +205,9 @@ class LLMEngine:
                     self.tokenizer, req.prompt_token_ids, req.params.stop, req.params.min_tokens)
             cut = catch_up(detok, req.output_token_ids, req.num_new_output_tokens, req.is_finished, req.finish_reason)
             stopped = cut is not None
-            if stopped:  # accepted guesses past a stop string: plain decoding would never have made them
-                del req.output_token_ids[cut:], req.logprobs[cut:], req.metrics.token_times[cut:]
-            req.text = detok.text
+            if stopped:
+                self.scheduler.drop_tokens_after(req, cut)
+            req.text = detok.text  # the engine owns detokenization: the text is the detokenizer's, as it stands
             if stopped and not req.is_finished:
                 self.scheduler.finish(req, "stop")
                 out.finished.append(req)
@@ -275,9 +279,9 @@ class LLMEngine:
         """The request as the API sees it; logprobs only for a request that asked for them."""
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.text,
                              list(req.output_token_ids), req.finish_reason, req.metrics,
-                             logprobs=None if req.params.logprobs is None else list(req.logprobs),
-                             prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
-                             num_cached_tokens=req.num_cached_tokens, kv_transfer_params=req.kv_transfer_params,
+                             logprobs=None if req.params.logprobs is None else list(req.logprobs.output),
+                             prompt_logprobs=None if req.logprobs.prompt is None else list(req.logprobs.prompt),
+                             num_cached_tokens=req.num_cached_tokens, kv_transfer_params=req.remote_kv.transfer_params,
                              samples=[LLMEngine.output(sample) for sample in req.samples])
 
     def stats(self) -> dict:

@@ -192,14 +192,14 @@ class KVCacheManager(KVManager):
         """Free blocks for the request's tokens after this step, less the live shared blocks a hit reuses."""
         hit = hit or PrefixHit(block_size=self.block_size)
         tokens = req.num_computed_tokens + hit.num_tokens + num_new_tokens
-        more = blocks_needed(tokens, self.block_size) - len(req.block_table)  # the hit's blocks included
+        more = blocks_needed(tokens, self.block_size) - len(req.kv.block_table)  # the hit's blocks included
         copies = len(self._shared_to_write(req))  # shared blocks this step writes into are copied first
         return self.free_blocks_needed(self.allocator.ref_counts, hit.device_blocks, more) + copies <= self.allocator.num_free
 
     def _shared_to_write(self, req) -> list[int]:
         """Indexes of the request's blocks that its next tokens are written into and that others hold too."""
         first = req.num_computed_tokens // self.block_size
-        return [i for i in range(first, len(req.block_table)) if self.allocator.ref_counts[req.block_table[i]] > 1]
+        return [i for i in range(first, len(req.kv.block_table)) if self.allocator.ref_counts[req.kv.block_table[i]] > 1]
 
     def _new_block(self) -> int:
         block = self.allocator.allocate()
@@ -210,13 +210,13 @@ class KVCacheManager(KVManager):
         return block
 
     def allocate(self, req, num_new_tokens, offer: bool = True):
-        for i in range(req.num_computed_tokens // self.block_size, len(req.block_table)):
-            before = req.block_table[i]  # a block this step writes into: the sequence's own first (chapter 04)
-            self.copy_on_write(self.allocator, req.block_table, i, self._new_block, self.copy_block)
-            self.counters["cow_copies"] += req.block_table[i] != before
-        missing = blocks_needed(req.num_computed_tokens + num_new_tokens, self.block_size) - len(req.block_table)
+        for i in range(req.num_computed_tokens // self.block_size, len(req.kv.block_table)):
+            before = req.kv.block_table[i]  # a block this step writes into: the sequence's own first (chapter 04)
+            self.copy_on_write(self.allocator, req.kv.block_table, i, self._new_block, self.copy_block)
+            self.counters["cow_copies"] += req.kv.block_table[i] != before
+        missing = blocks_needed(req.num_computed_tokens + num_new_tokens, self.block_size) - len(req.kv.block_table)
         for _ in range(missing):
-            req.block_table.append(self._new_block())
+            req.kv.block_table.append(self._new_block())
         self.tables[req.request_id] = req
         # Offer the full blocks this step computes now, not after the step: a request admitted later in
         # the same step shares them (the step writes every new token's K/V before any attention reads).
@@ -228,25 +228,25 @@ class KVCacheManager(KVManager):
         """Speculative decoding (chapter 09): blocks past the request's tokens held only rejected guesses'
         K/V; they go back to the pool (tail first), so a rejected guess costs no memory."""
         keep = blocks_needed(req.num_tokens, self.block_size)
-        if len(req.block_table) > keep:
-            extra = req.block_table[keep:]
-            del req.block_table[keep:]
+        if len(req.kv.block_table) > keep:
+            extra = req.kv.block_table[keep:]
+            del req.kv.block_table[keep:]
             self.release_blocks(self.allocator, extra)
 
     def release(self, req):
         if self.prefix_cache is not None:  # blocks offered for a step that failed never got their KV
-            for i in range(req.num_computed_tokens // self.block_size, len(req.block_hashes)):
-                self.prefix_cache.evict(req.block_table[i])
-        self.release_blocks(self.allocator, req.block_table)  # tail first: the shared prefix stays cached longest
-        req.block_table = []
-        req.block_hashes = []
+            for i in range(req.num_computed_tokens // self.block_size, len(req.kv.block_hashes)):
+                self.prefix_cache.evict(req.kv.block_table[i])
+        self.release_blocks(self.allocator, req.kv.block_table)  # tail first: the shared prefix stays cached longest
+        req.kv.block_table = []
+        req.kv.block_hashes = []
         self.tables.pop(req.request_id, None)
 
     def fork(self, parent, child):
         """A sample of ``parent`` (``n > 1``) starts with its blocks, shared, and the hashes of the full
         blocks it will not write into (it recomputes the prompt's last token, as every sample must)."""
-        child.block_table = self.fork_blocks(self.allocator, parent.block_table)
-        child.block_hashes = list(parent.block_hashes[:child.num_computed_tokens // self.block_size])
+        child.kv.block_table = self.fork_blocks(self.allocator, parent.kv.block_table)
+        child.kv.block_hashes = list(parent.kv.block_hashes[:child.num_computed_tokens // self.block_size])
         self.tables[child.request_id] = child
 
     def use_allocator(self, allocator):
@@ -269,7 +269,7 @@ class KVCacheManager(KVManager):
         if self.prefix_cache is None or req.params.prompt_logprobs is not None:
             return hit
         tokens, bs = req.all_token_ids, self.block_size
-        hashes = self.chain_hashes(tokens[:(len(tokens) - 1) // bs * bs], bs, req.cache_salt)
+        hashes = self.chain_hashes(tokens[:(len(tokens) - 1) // bs * bs], bs, req.kv.cache_salt)
 
         def chunk(i):
             return tuple(tokens[i * bs:(i + 1) * bs])
@@ -291,7 +291,7 @@ class KVCacheManager(KVManager):
         if self.prefix_cache is None:
             return 0
         self.hold_prefix_blocks(self.allocator, hit.device_blocks)  # share the live ones, reclaim the free ones
-        req.block_table.extend(hit.device_blocks)
+        req.kv.block_table.extend(hit.device_blocks)
         reused = len(hit.device_blocks)
         for h in hit.cpu_hashes:
             self.cpu_tier.touch(h)  # most recently used: our own evictions below must not push them out
@@ -303,15 +303,15 @@ class KVCacheManager(KVManager):
             self.cpu_tier.load(h, block)
             bs = self.block_size
             self.prefix_cache.insert(block, h, tuple(req.all_token_ids[reused * bs:(reused + 1) * bs]))
-            req.block_table.append(block)
+            req.kv.block_table.append(block)
             reused += 1
-        req.block_hashes = list(hit.hashes[:reused])
+        req.kv.block_hashes = list(hit.hashes[:reused])
         self.tables[req.request_id] = req
         if req.num_preemptions == 0:
             self.counters["prefix_cache_queries"] += req.num_tokens
             self.counters["prefix_cache_hits"] += reused * self.block_size
             self.counters["cpu_tier_hits"] += reused - len(hit.device_blocks)
-            req.num_host_cached_tokens = (reused - len(hit.device_blocks)) * self.block_size  # for /metrics' sources
+            req.kv.num_host_cached_tokens = (reused - len(hit.device_blocks)) * self.block_size  # for /metrics' sources
         return reused * self.block_size
 
     def cache_full_blocks(self, req, num_tokens=None):
@@ -319,13 +319,13 @@ class KVCacheManager(KVManager):
             return
         bs = self.block_size
         full = (req.num_computed_tokens if num_tokens is None else num_tokens) // bs
-        if full <= len(req.block_hashes):
+        if full <= len(req.kv.block_hashes):
             return
         tokens = req.all_token_ids[:full * bs]
-        hashes = self.chain_hashes(tokens, bs, req.cache_salt)
-        for i in range(len(req.block_hashes), full):
-            self.prefix_cache.insert(req.block_table[i], hashes[i], tuple(tokens[i * bs:(i + 1) * bs]))
-        req.block_hashes = hashes
+        hashes = self.chain_hashes(tokens, bs, req.kv.cache_salt)
+        for i in range(len(req.kv.block_hashes), full):
+            self.prefix_cache.insert(req.kv.block_table[i], hashes[i], tuple(tokens[i * bs:(i + 1) * bs]))
+        req.kv.block_hashes = hashes
 
     def stats(self) -> dict:
         stats = {"kv_blocks_total": self.num_blocks, "kv_blocks_free": self.allocator.num_free,
@@ -337,7 +337,7 @@ class KVCacheManager(KVManager):
         n, bs = self.num_blocks, self.block_size
         owners, tokens = [[] for _ in range(n)], [0] * n
         for rid, req in self.tables.items():
-            for i, block in enumerate(req.block_table):
+            for i, block in enumerate(req.kv.block_table):
                 owners[block].append(rid)
                 tokens[block] = max(tokens[block], min(bs, req.num_tokens - i * bs))
         cached = [bool(self.prefix_cache and self.prefix_cache.is_cached(b)) and not owners[b] for b in range(n)]

@@ -18,8 +18,10 @@ import time
 from dataclasses import dataclass, field
 
 from .kv_cache_manager import PrefixHit
+from .outputs import ModelRunnerOutput
 from .request import Request, RequestStatus
 from .spec_decode import count_verification
+from .stopping import token_stop_reason
 
 
 @dataclass
@@ -56,7 +58,7 @@ class RequestLifecycle:
     """Moves requests forward after each step and frees what they held; mixed into ``Scheduler``, whose
     ``running``/``waiting`` lists, ``kv`` manager, ``counters`` and ``connector`` it reads and writes."""
 
-    def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: ModelRunnerOutput) -> list[Request]:
         """Advance every request of the step; returns those that received a token (finished ones too).
 
         A request that was fed its last pending token gets the sampled token; a prompt chunk that
@@ -68,17 +70,17 @@ class RequestLifecycle:
         now = time.perf_counter()
         got_token = []
         self.record_prompt_logprobs(out, sampled)
-        logprobs = getattr(sampled, "logprobs", None) or [None] * len(sampled)  # a plain list: tokens only
-        accepted_all = getattr(sampled, "spec_accepted", {})
-        for i, (req, n, token, token_logprobs) in enumerate(zip(out.requests, out.num_new_tokens, sampled, logprobs)):
+        for i, (req, n, token, token_logprobs) in enumerate(zip(out.requests, out.num_new_tokens, sampled.token_ids,
+                                                                 sampled.logprobs)):
             start = req.num_computed_tokens
             guessed = max(0, start + n - req.num_tokens)  # guesses fed after the real tokens
             fed = n - guessed
             self.counters["prompt_tokens_computed"] += max(0, min(len(req.prompt_token_ids), start + fed) - start)
-            accepted = accepted_all.get(i, [])
+            accepted = sampled.spec_accepted.get(i, [])
             if guessed:
                 count_verification(self.counters, guessed, len(accepted))
-            req.spec_token_ids, req.spec_draft_probs, req.num_new_output_tokens = [], None, 0
+            req.spec.drop()                             # verified now: the next guesses come after this step
+            req.num_new_output_tokens = 0
             if start + fed < req.num_tokens:
                 req.num_computed_tokens = start + fed if self.kv.keeps_kv else 0
                 self.kv.cache_full_blocks(req)
@@ -89,12 +91,12 @@ class RequestLifecycle:
                 self.finish(req, "length")
                 out.finished.append(req)
                 continue
-            new_logprobs = [*getattr(sampled, "spec_logprobs", {}).get(i, [None] * len(accepted)), token_logprobs]
+            new_logprobs = [*sampled.spec_logprobs.get(i, [None] * len(accepted)), token_logprobs]
             reason = None
             for new_token, new_lp in zip([*accepted, token], new_logprobs):
                 req.output_token_ids.append(new_token)
                 if new_lp is not None:
-                    req.logprobs.append(new_lp)
+                    req.logprobs.output.append(new_lp)
                 req.metrics.token_times.append(now)
                 req.metrics.first_token_time = req.metrics.first_token_time or now
                 req.num_new_output_tokens += 1
@@ -115,6 +117,25 @@ class RequestLifecycle:
                 out.finished.append(req)
         return got_token
 
+    def mark_running(self, req: Request, hit: PrefixHit | None):
+        """WAITING -> RUNNING (``Scheduler.admit``): its computed tokens are the prefix ``hit``'s (without a hit, a
+        request whose KV arrived from another engine keeps its computed tokens)."""
+        if hit is not None or not req.block_table:
+            req.num_computed_tokens = self.kv.use_cached_prefix(req, hit) if hit is not None else 0
+        if req.metrics.first_scheduled_time is None:  # usage reports the first admission's hit, not a re-admission's
+            req.num_cached_tokens = req.num_computed_tokens
+        req.status = RequestStatus.RUNNING
+        req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or time.perf_counter()
+
+    def mark_preempted(self, req: Request):
+        """RUNNING -> WAITING by recompute (``Scheduler.preempt``): its KV is freed, nothing of it stays computed,
+        its guesses go; its tokens so far are kept."""
+        self.kv.release(req)
+        req.num_computed_tokens = req.spec.num_draft_computed = 0
+        req.spec.drop()
+        req.status = RequestStatus.WAITING
+        req.metrics.num_preemptions += 1
+
     def fork_samples(self, req: Request):
         """``n > 1``: the prompt's KV is computed (once), so samples 1 .. n-1 start now from the same blocks,
         shared. Each recomputes the prompt's last token to draw its own first token (the logits of that
@@ -128,26 +149,22 @@ class RequestLifecycle:
             self.running.append(child)
 
     @staticmethod
-    def record_prompt_logprobs(out: SchedulerOutput, sampled: list[int]):
+    def record_prompt_logprobs(out: SchedulerOutput, sampled: ModelRunnerOutput):
         """Store the prompt logprobs the runner computed this step (a prompt may come in chunks)."""
-        for i, (first, found) in getattr(sampled, "prompt_logprobs", {}).items():
-            recorded = out.requests[i].prompt_logprobs
+        for i, (first, found) in sampled.prompt_logprobs.items():
+            recorded = out.requests[i].logprobs.prompt
             recorded.extend([None] * (first - len(recorded)))  # no gap with the engine's own scheduling
             recorded[first:first + len(found)] = found
 
     def stop_reason(self, req: Request, token: int) -> str | None:
-        """EOS or a stop token id ends a request once ``min_tokens`` tokens came before it (the sampler
-        does not draw them earlier; this holds for any runner); ``max_tokens`` and the context always do.
-        A structured-output request draws one earlier only when its grammar has ended and allows nothing
-        else (``Sampler._hold_back_stop_tokens``): then it ends there, as the grammar says."""
-        if len(req.output_token_ids) > req.params.min_tokens or getattr(req.params, "structured_outputs", None):
-            if token in self.eos_token_ids and not req.params.ignore_eos:
-                return "stop"
-            if token in req.params.stop_token_ids:
-                return "stop"
-        if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.longest:
-            return "length"
-        return None
+        """``stopping.token_stop_reason`` with this engine's EOS ids and longest request."""
+        return token_stop_reason(req, token, self.eos_token_ids, self.longest)
+
+    @staticmethod
+    def drop_tokens_after(req: Request, keep: int):
+        """A stop string ended ``req`` after its first ``keep`` output tokens: the tokens past it (accepted
+        guesses of the same step) never were, as plain decoding would never have made them."""
+        del req.output_token_ids[keep:], req.logprobs.output[keep:], req.metrics.token_times[keep:]
 
     def finish(self, req: Request, reason: str):
         """The request leaves (done, stopped by a stop string, aborted, failed): its memory is freed now,
@@ -164,7 +181,7 @@ class RequestLifecycle:
         if loading:
             return  # its blocks go when the load ends (poll_connector): the load may still be writing them
         if self.connector is not None:
-            delay_free, req.kv_transfer_params = self.connector.request_finished(req, list(req.block_table))
+            delay_free, req.remote_kv.transfer_params = self.connector.request_finished(req, list(req.block_table))
             if delay_free:
                 self.held[req.request_id] = req
                 return
@@ -204,7 +221,7 @@ class RequestLifecycle:
             req = self.loading.pop(rid, None)
             if req is None:
                 continue
-            req.kv_load_done = True
+            req.remote_kv.load_done = True
             if req.is_finished:  # aborted while loading: the load has ended, the blocks may go
                 self.kv.release(req)
                 continue
@@ -214,7 +231,7 @@ class RequestLifecycle:
                 self.finish(req, "error")
                 continue
             if rid not in failed:
-                req.num_external_tokens = len(req.prompt_token_ids) - 1 - req.num_computed_tokens
+                req.remote_kv.num_external_tokens = len(req.prompt_token_ids) - 1 - req.num_computed_tokens
                 req.num_computed_tokens = len(req.prompt_token_ids) - 1
             req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)

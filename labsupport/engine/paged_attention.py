@@ -200,7 +200,7 @@ class PagedAttention(AttentionBackend):
         """A request feeding ``n`` tokens is read as decode rows if it decodes: one token, or its last token
         and the guesses of speculative decoding (chapter 09), where one batched read beats a masked one.
         (Guesses are only ever made for a decoding request; a chapter's stand-in request has none.)"""
-        return n == 1 or (n <= VERIFY_ROWS and bool(getattr(req, "spec_token_ids", None)))
+        return n == 1 or (n <= VERIFY_ROWS and bool(getattr(getattr(req, "spec", None), "token_ids", None)))
 
     def attend(self, layer, q, k, v, batch):
         x = batch.extra

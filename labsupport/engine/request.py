@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from .logits_processors import check_logit_bias, check_penalties
+from .stopping import streamable
 from .structured_output import normalize as normalize_structured_outputs
 
 
@@ -130,13 +131,14 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock times (``time.perf_counter``) and the latencies a serving engineer reads."""
+    """Wall-clock times (``time.perf_counter``), the latencies and the preemptions a serving engineer reads."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    num_preemptions: int = 0  # times its KV was freed to make room, and recomputed later
 
     @property
     def queueing_time(self) -> float | None:
@@ -172,9 +174,59 @@ def next_request_id() -> str:
     return str(next(_ids))
 
 
+@dataclass
+class KVBlocks:
+    """Where a request's KV lives in the paged pool. The KV manager (``kv_cache_manager.py``) owns it: it alone
+    writes it (allocating, sharing a cached prefix, forking, freeing); the scheduler, the attention backend and
+    the chapters only read it (``req.block_table``)."""
+
+    cache_salt: str | None = None  # tenant: requests with different salts share no cached KV
+    block_table: list[int] = field(default_factory=list)  # the pool blocks holding this request's tokens
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix cache: chained hashes of its full blocks
+    num_host_cached_tokens: int = 0  # of the prompt tokens reused when first admitted, those from the CPU tier
+
+
+@dataclass
+class SpecState:
+    """Speculative decoding (chapter 09): the guesses the next step verifies, the distributions a draft model
+    drew them from (None: deterministic guesses), and the tokens whose K/V the draft model holds. The
+    speculator proposes (``propose``); the scheduler drops guesses that were verified or do not fit (``drop``)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    draft_probs: object = None  # a [len(token_ids), vocab] tensor, or None
+    num_draft_computed: int = 0
+
+    def propose(self, token_ids: list[int], draft_probs=None):
+        self.token_ids, self.draft_probs = token_ids, draft_probs
+
+    def drop(self):
+        self.token_ids, self.draft_probs = [], None
+
+
+@dataclass
+class RemoteKV:
+    """Prefill/decode disaggregation (chapter 07): KV computed by another engine, or kept for one."""
+
+    transfer_params: dict | None = None  # where the next engine fetches this request's KV (set when it finishes)
+    load_done: bool = False  # its remote KV arrived (or failed and is recomputed): load no more
+    num_external_tokens: int = 0  # prompt tokens whose KV another engine computed (part of num_cached_tokens)
+
+
+@dataclass
+class Logprobs:
+    """Chapter 06's outputs, recorded by ``update_from_output`` from what the runner computed."""
+
+    output: list[dict[int, float]] = field(default_factory=list)  # per output token, if params.logprobs is set
+    prompt: list[dict[int, float] | None] | None = None  # per prompt token, if params.prompt_logprobs is set
+
+
 class Request:
+    """One request's state. Its own fields are what every request has; each chapter's feature keeps its state
+    in one small part (``kv``, ``spec``, ``remote_kv``, ``logprobs``). The scheduler's bookkeeping half
+    (``lifecycle.py``) writes it as the request moves; the KV manager writes the ``kv`` part."""
+
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                 prompt: str | None = None, cache_salt: str | None = None):
+                 prompt: str | None = None, cache_salt: str | None = None, eos_token_ids=()):
         self.request_id = request_id if request_id is not None else next_request_id()
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -182,32 +234,29 @@ class Request:
         self.params = params
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []  # paged KV: the pool blocks holding this request's tokens
-        self.block_hashes: list[bytes] = []  # prefix cache: chained hashes of its full blocks
-        self.cache_salt = cache_salt  # tenant: requests with different salts share no cached KV
-        self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.text = ""  # the output so far, detokenized incrementally by the engine
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
-        # chapter 06's outputs, written by the scheduler from what the runner computed
-        self.logprobs: list[dict[int, float]] = []  # per output token, if params.logprobs is set
-        self.prompt_logprobs: list[dict[int, float] | None] | None = (
-            None if params.prompt_logprobs is None else [None])  # the first prompt token has nothing before it
         self.num_cached_tokens = 0  # prompt tokens reused from the prefix cache (or CPU tier) when first scheduled
-        self.num_host_cached_tokens = 0  # of those, the ones copied back from the CPU tier
-        # the tokens min_tokens keeps from being drawn: stop_token_ids, and EOS (added by the engine)
-        self.all_stop_token_ids: set[int] = set(params.stop_token_ids or ())
-        self.kv_transfer_params: dict | None = None  # PD: where the next engine fetches this request's KV
-        self.kv_load_done = False  # PD: its remote KV arrived (or failed and is recomputed): load no more
-        self.num_external_tokens = 0  # PD: prompt tokens whose KV another engine computed (part of num_cached_tokens)
-        self.samples: list[Request] = []  # n > 1: the other samples, forked from this one after its prompt
-        self.parent: Request | None = None  # a forked sample: the request it was forked from
-        # speculative decoding (chapter 09): the guesses the next step verifies, the distributions a draft
-        # model drew them from (None: deterministic guesses), and the tokens whose K/V the draft model holds
-        self.spec_token_ids: list[int] = []
-        self.spec_draft_probs = None
-        self.num_draft_computed = 0
         self.num_new_output_tokens = 0  # tokens the last step gave it (more than 1 with accepted guesses)
+        # the tokens min_tokens keeps from being drawn: stop_token_ids, and EOS unless ignore_eos
+        self.all_stop_token_ids: set[int] = set(params.stop_token_ids or ()) | (
+            set() if params.ignore_eos else set(eos_token_ids))
+        self.samples: list[Request] = []  # n > 1: the other samples, forked from this one after its prompt
+        self.kv = KVBlocks(cache_salt)
+        self.spec = SpecState()
+        self.remote_kv = RemoteKV()
+        # chapter 06: the first prompt token has nothing before it, so its prompt logprobs are None
+        self.logprobs = Logprobs(prompt=None if params.prompt_logprobs is None else [None])
+
+    @property
+    def block_table(self) -> list[int]:
+        """The pool blocks holding this request's tokens (read-only here: the KV manager writes ``kv``)."""
+        return self.kv.block_table
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.metrics.num_preemptions
 
     @property
     def num_seqs(self) -> int:
@@ -220,8 +269,8 @@ class Request:
         The caller gives it the prompt's KV (shared blocks) and puts it in the batch."""
         seed = None if self.params.seed is None else self.params.seed + index
         params = dataclasses.replace(self.params, n=1, seed=seed)
-        child = Request(self.prompt_token_ids, params, f"{index}_{self.request_id}", self.prompt, self.cache_salt)
-        child.parent, child.all_stop_token_ids = self, set(self.all_stop_token_ids)
+        child = Request(self.prompt_token_ids, params, f"{index}_{self.request_id}", self.prompt, self.kv.cache_salt)
+        child.all_stop_token_ids = set(self.all_stop_token_ids)
         child.metrics.arrival_time = self.metrics.arrival_time
         child.metrics.first_scheduled_time = self.metrics.first_scheduled_time
         child.num_cached_tokens = self.num_cached_tokens
@@ -240,8 +289,7 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def streamable_text(self) -> str:
-        """The text a client may be sent already (``detokenizer.streamable``: a possible stop string held back)."""
-        from .detokenizer import streamable
+        """The text a client may be sent already (``stopping.streamable``: a possible stop string held back)."""
         return streamable(self.text, self.params.stop, self.is_finished)
 
     def __repr__(self):

@@ -13,7 +13,8 @@ import torch
 from ..models.llama import LlamaForCausalLM
 from .attention import AttentionBackend, AttentionBatch, RecomputeAttention
 from .plug_points import PlugPoint
-from .sampler import Sampler, SamplerOutput, logprob_dicts, option
+from .outputs import ModelRunnerOutput
+from .sampler import Sampler, logprob_dicts, option
 from .spec_decode import rejection_sample
 from .scheduler import SchedulerOutput
 
@@ -45,7 +46,7 @@ class ModelRunner:
         self.executor = executor or EagerStep(model, backend)  # how a step's forward runs on this device
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> list[int]:
+    def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
         logits = self.executor.decode_logits(batch)
         if logits is not None:
             return self.sampler.sample(logits, batch.requests)
@@ -54,7 +55,7 @@ class ModelRunner:
             start = req.num_computed_tokens
             token_ids += req.all_token_ids[start:start + n]
             if start + n > req.num_tokens:  # speculative decoding: guesses after the real tokens
-                token_ids += req.spec_token_ids[:start + n - req.num_tokens]
+                token_ids += req.spec.token_ids[:start + n - req.num_tokens]
             positions += range(start, start + n)
         meta = self.backend.prepare(batch.requests, batch.num_new_tokens)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
@@ -79,16 +80,16 @@ class ModelRunner:
         last = logits[torch.tensor([ends[i] - 1 for i in plain], dtype=torch.long, device=self.device)]
         picked = self.sampler.sample(last, [batch.requests[i] for i in plain], [batch.num_new_tokens[i] for i in plain])
         tokens, logprobs = [0] * len(guesses), [None] * len(guesses)
-        for i, token, lp in zip(plain, picked, picked.logprobs):
+        for i, token, lp in zip(plain, picked.token_ids, picked.logprobs):
             tokens[i], logprobs[i] = token, lp
-        out = SamplerOutput(tokens, logprobs)
+        out = ModelRunnerOutput(tokens, logprobs)
         for i, s in enumerate(guesses):
             if s:
                 req, end = batch.requests[i], ends[i]
-                emitted, lps = self.sampler.verify(logits[end - 1 - s:end], req, req.spec_token_ids[:s],
-                                                   None if req.spec_draft_probs is None else req.spec_draft_probs[:s],
+                emitted, lps = self.sampler.verify(logits[end - 1 - s:end], req, req.spec.token_ids[:s],
+                                                   None if req.spec.draft_probs is None else req.spec.draft_probs[:s],
                                                    self.rejection_sample)
-                out[i], out.spec_accepted[i] = emitted[-1], emitted[:-1]
+                out.token_ids[i], out.spec_accepted[i] = emitted[-1], emitted[:-1]
                 out.logprobs[i] = None if lps is None else lps[-1]
                 if lps is not None:
                     out.spec_logprobs[i] = lps[:-1]
@@ -130,10 +131,10 @@ def prompt_logprobs(model: LlamaForCausalLM, hidden: torch.Tensor, batch: Schedu
     wanted = []  # (request index, first prompt token, hidden rows, the tokens they predict, k)
     for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
         k = option(req, "prompt_logprobs")
-        if k is None or req.prompt_logprobs is None:
+        if k is None or req.logprobs.prompt is None:
             continue
         start = req.num_computed_tokens
-        first = max(start, len(req.prompt_logprobs) - 1)  # positions before this one are recorded already
+        first = max(start, len(req.logprobs.prompt) - 1)  # positions before this one are recorded already
         end = min(start + n, len(req.prompt_token_ids) - 1)  # the last prompt position predicts an output token
         if first < end:
             rows = range(query_offsets[i] + first - start, query_offsets[i] + end - start)

@@ -19,26 +19,9 @@ from __future__ import annotations
 import torch
 
 from .logits_processors import Penalties, apply_logit_bias, has_penalties
+from .outputs import ModelRunnerOutput
+from .stopping import may_stop
 from .request import Request
-
-
-class SamplerOutput(list):
-    """The step's sampled token ids, one per request: a list, so code that wants only the tokens
-    (the scheduler's tests, the benchmarks) uses it as before.
-
-    Besides: ``logprobs[i]``, request i's ``{token id: logprob}`` (None unless it asked), and
-    ``prompt_logprobs``, request index -> (index of the first prompt token covered, one dict per
-    prompt token), filled by the runner on steps that feed the prompt of a request that asked.
-    """
-
-    def __init__(self, token_ids: list[int], logprobs: list[dict[int, float] | None] | None = None):
-        super().__init__(token_ids)
-        self.logprobs = logprobs if logprobs is not None else [None] * len(token_ids)
-        self.prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = {}
-        # speculative decoding (chapter 09): request index -> its accepted guesses, emitted before its
-        # token here, and their logprobs (if it asked)
-        self.spec_accepted: dict[int, list[int]] = {}
-        self.spec_logprobs: dict[int, list[dict[int, float]]] = {}
 
 
 def option(req, name: str, default=None):
@@ -66,7 +49,7 @@ class Sampler:
         self.structured = None  # StructuredOutputs, set by the engine (it needs the tokenizer)
 
     def sample(self, logits: torch.Tensor, requests: list[Request],
-               num_new_tokens: list[int] | None = None) -> SamplerOutput:
+               num_new_tokens: list[int] | None = None) -> ModelRunnerOutput:
         """logits: [num_requests, vocab] -> one token id per request, with logprobs where asked.
 
         ``num_new_tokens`` (tokens each request fed this step) tells which requests are still inside
@@ -89,7 +72,7 @@ class Sampler:
         if self.structured is not None:
             self.structured.accept(requests, tokens, kept)
         asked = [req if k else None for req, k in zip(requests, kept)]
-        return SamplerOutput(tokens, self._logprobs(raw, asked, tokens))
+        return ModelRunnerOutput(tokens, self._logprobs(raw, asked, tokens))
 
     def _bias_and_penalize(self, logits: torch.Tensor, raw: torch.Tensor, requests: list[Request],
                            kept: list[bool]) -> torch.Tensor:
@@ -109,7 +92,7 @@ class Sampler:
         """min_tokens: EOS and the stop token ids get -inf until the request has that many tokens; a row
         the grammar left nothing else in keeps them (vLLM restores them so: a finished grammar must stop)."""
         rows = [(i, [t for t in req.all_stop_token_ids if t < logits.shape[-1]]) for i, req in enumerate(requests)
-                if len(getattr(req, "output_token_ids", ())) < option(req, "min_tokens", 0)]
+                if not may_stop(len(getattr(req, "output_token_ids", ())) + 1, option(req, "min_tokens", 0))]
         if not any(ids for _, ids in rows):
             return logits
         held = logits.clone()  # the raw logits stay as they are: logprobs are computed from them
@@ -145,11 +128,11 @@ class Sampler:
         the token plain greedy decoding would have chosen."""
         done = len(req.output_token_ids)
         rows = logits
-        if done < option(req, "min_tokens", 0):
+        if not may_stop(done + 1, option(req, "min_tokens", 0)):
             held = [t for t in req.all_stop_token_ids if t < logits.shape[-1]]
             rows = logits.clone()
             for j in range(rows.shape[0]):
-                if done + j < req.params.min_tokens:
+                if not may_stop(done + j + 1, req.params.min_tokens):
                     rows[j, held] = float("-inf")
         if req.params.greedy:
             target = torch.nn.functional.one_hot(rows.argmax(dim=-1), rows.shape[-1]).to(torch.float32)

@@ -26,13 +26,12 @@ them in for the length of a ``with`` block.
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 
 from .kv_cache_manager import KVManager, PrefixHit
 from .lifecycle import RequestLifecycle, SchedulerOutput
 from .plug_points import PlugPoint
-from .request import Request, RequestStatus
+from .request import Request
 from .spec_decode import spec_counters
 
 
@@ -132,8 +131,8 @@ class Scheduler(RequestLifecycle):
             n = self.num_new_tokens(req, budget, out)
             if n == 0:
                 break                                   # the budget is spent: the rest run next step
-            if req.spec_token_ids and not self.kv.can_allocate(req, n):
-                req.spec_token_ids, req.spec_draft_probs = [], None  # drop guesses before preempting anyone
+            if req.spec.token_ids and not self.kv.can_allocate(req, n):
+                req.spec.drop()                         # drop guesses before preempting anyone
                 n = self.num_new_tokens(req, budget, out)
             while not self.kv.can_allocate(req, n) and self.running[-1] is not req:
                 self.preempt(self.running[-1])          # out of blocks: the newest goes back to the queue
@@ -177,8 +176,8 @@ class Scheduler(RequestLifecycle):
         A request that can never fit the budget unchunked (a long sequence recomputed after
         preemption) still runs, alone in its step, so it cannot wait forever.
         """
-        remaining = req.num_tokens - req.num_computed_tokens - skip + len(req.spec_token_ids)  # guesses: chapter 09
-        priced = remaining - len(req.spec_token_ids) > 1  # a prompt chunk (a decode row counts 1: step_cost)
+        remaining = req.num_tokens - req.num_computed_tokens - skip + len(req.spec.token_ids)  # guesses: chapter 09
+        priced = remaining - len(req.spec.token_ids) > 1  # a prompt chunk (a decode row counts 1: step_cost)
         n = self.chunk_rule(remaining, self.affordable(req, budget_left, skip) if priced else budget_left,
                             self.config.enable_chunked_prefill, self.config.long_prefill_token_threshold)
         if n == 0 and not out.requests and remaining > 0:
@@ -197,7 +196,7 @@ class Scheduler(RequestLifecycle):
         the same at any position, its attention grows with its context, and once c passes K the attention
         is most of the step. A decode row counts 1: the budget is for chunks, as in vLLM."""
         k = self.cost_context
-        if not k or n - len(req.spec_token_ids) <= 1:
+        if not k or n - len(req.spec.token_ids) <= 1:
             return n
         return math.ceil(n * (1 + (req.num_computed_tokens + n / 2) / k))
 
@@ -223,25 +222,15 @@ class Scheduler(RequestLifecycle):
         out.is_prefill.append(req.num_computed_tokens < req.num_tokens - 1)  # a decode feeds its last token (+ guesses)
 
     def admit(self, req: Request, hit: PrefixHit | None = None):
-        """Move ``req`` from the queue to the running list, reusing the prefix ``hit`` found for it
-        (without a hit, a request whose KV arrived from another engine keeps its computed tokens)."""
+        """Move ``req`` from the queue to the running list, reusing the prefix ``hit`` found for it."""
         self.waiting.remove(req)  # the head, in FCFS order: found at once
-        if hit is not None or not req.block_table:
-            req.num_computed_tokens = self.kv.use_cached_prefix(req, hit) if hit is not None else 0
-        if req.metrics.first_scheduled_time is None:  # usage reports the first admission's hit, not a re-admission's
-            req.num_cached_tokens = req.num_computed_tokens
-        req.status = RequestStatus.RUNNING
-        req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or time.perf_counter()
+        self.mark_running(req, hit)
         self.running.append(req)
 
     def preempt(self, req: Request):
         """Recompute preemption: free the request's KV, requeue it first; its tokens so far are kept."""
         self.running.remove(req)
-        self.kv.release(req)
-        req.num_computed_tokens = req.num_draft_computed = 0
-        req.spec_token_ids, req.spec_draft_probs = [], None
-        req.status = RequestStatus.WAITING
-        req.num_preemptions += 1
+        self.mark_preempted(req)
         self.num_preemptions += 1
         self.preempted.append(req)
         self.waiting.appendleft(req)

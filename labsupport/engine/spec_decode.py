@@ -126,7 +126,7 @@ class DraftModelProposer:
 
     Its pool has the target pool's block ids (same ``num_blocks`` and ``block_size``), so a request's
     block table addresses both; the draft keeps its own count of the tokens it has seen
-    (``req.num_draft_computed``) and catches up on the accepted ones at the next proposal."""
+    (``req.spec.num_draft_computed``) and catches up on the accepted ones at the next proposal."""
 
     def __init__(self, model, backend, sampler):
         self.model, self.backend, self.sampler = model, backend, sampler
@@ -139,7 +139,7 @@ class DraftModelProposer:
         dev = next(self.model.parameters()).device
         drafts = [[] for _ in requests]
         probs = [[] for _ in requests]
-        views = [_DraftView(r, r.num_draft_computed) for r in requests]
+        views = [_DraftView(r, r.spec.num_draft_computed) for r in requests]
         feeds = [r.all_token_ids[v.num_computed_tokens:] for r, v in zip(requests, views)]
         active = [i for i, k in enumerate(ks) if k > 0]
         for step in range(max(ks, default=0)):
@@ -167,7 +167,9 @@ class DraftModelProposer:
                     probs[i].append(q)
         for req, k in zip(requests, ks):
             if k > 0:
-                req.num_draft_computed = req.num_tokens  # positions past it hold guesses' KV, rewritten next time
+                # the draft model's own progress, which only it knows; positions past it hold guesses' KV,
+                # rewritten next time
+                req.spec.num_draft_computed = req.num_tokens
         return [(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
 
     def _generator(self, req, device) -> torch.Generator | None:
@@ -193,8 +195,8 @@ class Speculator:
         ks = [max_drafts(req, k, longest) for req in requests]
         if self.draft is None:
             for req, ki in zip(requests, ks):
-                req.spec_token_ids = ngram_propose(req.all_token_ids, ki, spec["prompt_lookup_min"],
-                                                   spec["prompt_lookup_max"]) if ki else []
+                req.spec.propose(ngram_propose(req.all_token_ids, ki, spec["prompt_lookup_min"],
+                                               spec["prompt_lookup_max"]) if ki else [])
             return
         for i, req in enumerate(requests):
             if ks[i] and not self.kv.can_allocate(req, 1 + ks[i]):
@@ -202,7 +204,7 @@ class Speculator:
             if ks[i]:
                 self.kv.allocate(req, 1 + ks[i])
         for req, (guesses, probs) in zip(requests, self.draft.propose(requests, ks)):
-            req.spec_token_ids, req.spec_draft_probs = guesses, probs
+            req.spec.propose(guesses, probs)
 
     def release(self, req):
         if self.draft is not None:

@@ -88,7 +88,7 @@ class TcpConnector(KVConnectorBase):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         p = request.params.kv_transfer_params or {}
-        if not p.get("do_remote_prefill") or getattr(request, "kv_load_done", False):
+        if not p.get("do_remote_prefill") or request.remote_kv.load_done:
             return 0, False
         remote = p.get("remote_block_ids") or []
         prompt = len(request.prompt_token_ids)

@@ -34,9 +34,10 @@ import msgspec
 import zmq
 
 from .. import procs
-from ..engine.detokenizer import IncrementalDetokenizer, catch_up, streamable
+from ..engine.detokenizer import IncrementalDetokenizer, catch_up
 from ..engine.limits import EngineLimits
 from ..engine.request import RequestMetrics, RequestOutput
+from ..engine.stopping import streamable
 from ..frontend import Frontend, PreparedRequest
 from .engine_core import CoreSpec, run_engine_core
 from .messages import FIRST, AddRequest, Call, CoreInput, CoreOutputs, Failed, FinishRequest

@@ -155,6 +155,7 @@ class EngineCore:
             self._send(CoreOutputs(deltas=[RequestDelta(add.request_id, finish_reason="error",
                                                         error=f"{type(exc).__name__}: {exc}")]))
             return
+        # the frontend process saw it arrive: its latencies count from there (set before its first step)
         req.metrics.arrival_time = add.arrival_time or req.metrics.arrival_time
         self.live[add.request_id] = _Track(req)
 
@@ -163,8 +164,8 @@ class EngineCore:
         if track is None:
             return  # finished already: its last delta is on its way
         req = track.req
-        if finish.keep_tokens is not None:  # past a stop string: those tokens never were
-            del req.output_token_ids[finish.keep_tokens:], req.logprobs[finish.keep_tokens:]
+        if finish.keep_tokens is not None:  # the frontend found a stop string: the tokens past it never were
+            self.engine.scheduler.drop_tokens_after(req, finish.keep_tokens)
         self.engine.abort_requests([req], finish.reason)
         self._hook("on_finished", req)
 
@@ -215,18 +216,18 @@ class EngineCore:
         delta = RequestDelta(req.request_id, req.output_token_ids[track.tokens:],
                              num_cached_tokens=req.num_cached_tokens)
         if req.params.logprobs is not None:
-            delta.new_logprobs = req.logprobs[track.logprobs:]
-            track.logprobs = len(req.logprobs)
+            delta.new_logprobs = req.logprobs.output[track.logprobs:]
+            track.logprobs = len(req.logprobs.output)
         if len(req.output_token_ids) > track.tokens:
             delta.token_time = req.metrics.token_times[-1]
         track.tokens = len(req.output_token_ids)
         if not track.started and (track.tokens or req.is_finished):
             track.started = True
             delta.first_scheduled_time = req.metrics.first_scheduled_time
-            delta.prompt_logprobs = req.prompt_logprobs
+            delta.prompt_logprobs = req.logprobs.prompt
         if req.is_finished:
             delta.finish_reason, delta.finished_time = req.finish_reason, req.metrics.finished_time
-            delta.kv_transfer_params = req.kv_transfer_params
+            delta.kv_transfer_params = req.remote_kv.transfer_params
         return delta
 
     def _take_answers(self) -> list[Answer]:

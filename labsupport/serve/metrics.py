@@ -124,7 +124,7 @@ class ServerMetrics:
             times = req.metrics.token_times
             prompt_only = not req.output_token_ids and getattr(req.params, "max_tokens", 1) == 0  # scored, no token
             if len(req.output_token_ids) == 1 or prompt_only:  # its first token (or none to come): the prefill is done
-                p, c, ext = len(req.prompt_token_ids), req.num_cached_tokens, getattr(req, "num_external_tokens", 0)
+                p, c, ext = len(req.prompt_token_ids), req.num_cached_tokens, req.remote_kv.num_external_tokens
                 prompt, cached = prompt + p, cached + c
                 self.labelled["prompt_tokens_by_source"]["local_compute"].inc(p - c)
                 self.labelled["prompt_tokens_by_source"]["local_cache_hit"].inc(c - ext)
@@ -163,7 +163,7 @@ class ServerMetrics:
     def _count_hit_sources(self, req):
         """A first admission's cached prompt tokens by tier: ``host`` copied back from the CPU tier
         (chapter 03), ``p2p`` pulled from another engine (chapter 07), ``device`` the pool's own."""
-        host, ext = getattr(req, "num_host_cached_tokens", 0), getattr(req, "num_external_tokens", 0)
+        host, ext = req.kv.num_host_cached_tokens, req.remote_kv.num_external_tokens
         by_source = self.labelled["prompt_tokens_cached_by_source"]
         by_source["host"].inc(host)
         by_source["p2p"].inc(ext)

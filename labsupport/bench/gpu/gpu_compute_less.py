@@ -93,10 +93,10 @@ def check_verify_cost(device, quick: bool, dtype) -> dict:
     for b in batches:
         reqs = _decoding(llm, b, context)
         for r in reqs:
-            r.spec_token_ids = []
+            r.spec.propose([])
         one = _time_step(llm, device, iters)
         for r in reqs:
-            r.spec_token_ids = [1] * K  # any tokens: the cost of verifying does not depend on them
+            r.spec.propose([1] * K)  # any tokens: the cost of verifying does not depend on them
         verify = _time_step(llm, device, iters)
         llm.engine.abort_requests(reqs)
         rows[f"B={b}"] = {"decode_ms": one * 1e3, "verify_ms": verify * 1e3, "ratio": verify / one,
