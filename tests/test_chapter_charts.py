@@ -44,7 +44,7 @@ def test_policy_comparison_labels_a_small_sample_tail_as_max():
 def test_rate_sweep_draws_served_against_offered_and_labels_each_tail():
     from types import SimpleNamespace
 
-    from labsupport.bench.metrics import summarize
+    from labsupport.bench.summary import summarize
 
     def run(n, ttft, seconds):
         outs = [SimpleNamespace(metrics=SimpleNamespace(ttft=ttft * (1 + i / n), tpot=0.01, itl=[0.01],

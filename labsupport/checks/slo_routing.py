@@ -139,15 +139,15 @@ class RoutingLoad:
 
 def _prompts(tokenizer, lengths: list[int], seed: int) -> list[list[int]]:
     """Random token ids (the tokenizer's ordinary ones), fresh per run: no prefix-cache hit helps any policy."""
-    from ..bench.serve_datasets import _ordinary_ids
+    from ..bench.serving.serve_datasets import _ordinary_ids
     rng = random.Random(seed)
     vocab = _ordinary_ids(tokenizer).tolist()
     return [[rng.choice(vocab) for _ in range(n)] for n in lengths]
 
 
 def _lone_ttft(url: str, model: str, prompt: list[int]) -> float:
-    from ..bench.serve_bench import COMPLETIONS, benchmark
-    from ..bench.serve_datasets import SampleRequest
+    from ..bench.serving.serve_bench import COMPLETIONS, benchmark
+    from ..bench.serving.serve_datasets import SampleRequest
     r = benchmark(url, model, [SampleRequest(prompt, len(prompt), 1)], endpoint=COMPLETIONS, progress=False,
                   test_request=False)
     if not r.requests[0].success:
@@ -172,8 +172,8 @@ def compare_routing(choose_worker, urls: list[str], names: list[str], model: str
     ``urls``, each under the same bursty load (same lengths and arrival times, fresh tokens); prints the table and
     returns it. Raises ``CheckFailed`` if the attendee's policy broke a request in the router (a 500), and
     ``RuntimeError`` if a server failed under the load (the policy's fault or not, the comparison would be void)."""
-    from ..bench.serve_bench import COMPLETIONS, benchmark
-    from ..bench.serve_datasets import SampleRequest
+    from ..bench.serving.serve_bench import COMPLETIONS, benchmark
+    from ..bench.serving.serve_datasets import SampleRequest
     from ..pd.router_app import create_router_app
     from ..pd.routing import SLOAware
     from ..serve.background import BackgroundServer

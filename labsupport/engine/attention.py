@@ -49,6 +49,8 @@ class AttentionBatch:
 class AttentionBackend:
     """Interface: ``prepare`` once per step, then ``attend`` once per layer."""
 
+    PLUG_POINTS: dict = {}  # a backend with pieces an exercise replaces declares them (ContiguousAttention, PagedAttention)
+
     def prepare(self, requests, num_new_tokens: list[int]) -> AttentionBatch:
         return AttentionBatch(list(num_new_tokens), [r.num_computed_tokens + n for r, n in zip(requests, num_new_tokens)],
                               [r.request_id for r in requests])

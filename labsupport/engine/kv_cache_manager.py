@@ -45,6 +45,7 @@ class KVManager:
     """No KV cache: nothing is kept between steps, so every request always fits."""
 
     keeps_kv = False  # do computed tokens stay computed after the step?
+    PLUG_POINTS: dict = {}  # no piece of it is an exercise's (KVCacheManager declares its own)
     capacity = float("inf")  # the most tokens one request can hold: it finishes ("length") there
 
     def find_cached_prefix(self, req) -> PrefixHit:
