@@ -266,9 +266,9 @@ def test_a_fresh_server_reports_its_whole_pool_free_before_any_request(llm):
     from labsupport.serve.background import BackgroundServer
     from server_tools import server_metrics
     with BackgroundServer(create_app(llm, "smol")) as srv:
-        deadline = time.time() + 10
-        while (m := server_metrics(srv))["labsupport:kv_cache_free_blocks"] == 0 and time.time() < deadline:
-            time.sleep(0.05)
+        from waiting import wait_until
+        m = wait_until(lambda: (m := server_metrics(srv))["labsupport:kv_cache_free_blocks"] and m, 10,
+                       message="the server reports its free blocks")
         assert m["labsupport:kv_cache_free_blocks"] == llm.stats()["kv_blocks_total"] > 0
         assert m["labsupport:kv_cache_usage_perc"] == 0
 

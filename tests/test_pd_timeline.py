@@ -168,9 +168,8 @@ def test_widget_polls_the_real_workers_and_stops(pd):
     assert "application/vnd.jupyter.widget-view+json" in w._repr_mimebundle_()
     with w:
         assert w.running
-        deadline = time.time() + 5
-        while time.time() < deadline and w.polls < 2:
-            time.sleep(0.05)
+        from waiting import wait_until
+        wait_until(lambda: w.polls >= 2, 5, message="the widget polled twice")
         snap = w.snapshot()
     assert not w.running and not any(t.name == "pd-timeline-poller" for t in threading.enumerate())
     assert {t["transfer_id"] for t in snap["prefill-0"]["transfers"]} == expected

@@ -17,6 +17,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from server_tools import QUESTION, assert_openai_error, server_metrics
+from waiting import wait_until
 
 from labsupport.pd.router import PREFILL_KV_PARAMS
 from labsupport.pd.router_app import create_router_app
@@ -254,9 +255,7 @@ def test_shutdown_ends_streams_and_requests_in_flight_with_an_error():
             with httpx.stream("POST", r.url + "/v1/completions", json={**SHORT, "stream": True}, timeout=30) as s:
                 lines = s.iter_lines()
                 assert next(line for line in lines if line).startswith("data: {")
-                deadline = time.time() + 10
-                while not seen["plain"] and time.time() < deadline:  # the plain request is on the worker
-                    time.sleep(0.02)
+                wait_until(lambda: seen["plain"], 10, message="the plain request is on the worker")
                 started = time.time()
                 r.app.state.engine.shutdown()
                 rest = [line for line in lines if line]
@@ -268,10 +267,8 @@ def test_shutdown_ends_streams_and_requests_in_flight_with_an_error():
             late = plain.result()
             assert_openai_error(late.status_code, late.json(), 503)
         assert httpx.post(r.url + "/v1/completions", json=SHORT).status_code == 503
-        deadline = time.time() + 5
-        while not seen["ended"] and time.time() < deadline:
-            time.sleep(0.05)
-        assert seen["ended"] and seen["ended"][0] - started < 5  # the worker's stream was closed, not left running
+        wait_until(lambda: seen["ended"], 5, message="the worker's stream was closed")
+        assert seen["ended"][0] - started < 5  # the worker's stream was closed, not left running
 
 
 # ------------------------------------------------------------------ instance mode, real servers
@@ -341,9 +338,7 @@ def test_least_loaded_avoids_the_busy_instance_and_hangups_abort_upstream(a, b):
         # we hung up on the stream; now on a plain request too: the router closes its upstream, a aborts both
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(r.url + "/v1/completions", json={**LONG_STREAM, "stream": False}, timeout=1.5)
-        deadline = time.time() + 10
-        while aborts() < before + 2 and time.time() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: aborts() >= before + 2, 10, message="the worker aborted both requests")
         assert aborts() == before + 2
         assert f'in_flight{{role="instance",worker="{a.url}"}} 0.0' in httpx.get(r.url + "/metrics").text
 
@@ -444,7 +439,8 @@ def test_a_frozen_worker_ends_its_streams_fast_and_new_requests_get_503_at_once(
             assert next(lines).startswith("data:")
             plain = pool.submit(httpx.post, r.url + "/v1/completions", json={**LONG_STREAM, "stream": False},
                                 timeout=60)
-            time.sleep(0.3)
+            wait_until(lambda: server_metrics(a)["labsupport:num_requests_running"] >= 2, 10,
+                       message="the plain request reached the worker")  # both in flight when it freezes
             os.kill(a.proc.pid, signal.SIGSTOP)
             frozen = time.time()
             try:
@@ -461,9 +457,7 @@ def test_a_frozen_worker_ends_its_streams_fast_and_new_requests_get_503_at_once(
                 assert time.time() - t0 < 0.5 and "no healthy" in late.json()["error"]["message"]
             finally:
                 os.kill(a.proc.pid, signal.SIGCONT)
-        deadline = time.time() + 10
-        while httpx.get(r.url + "/health").status_code != 200 and time.time() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: httpx.get(r.url + "/health").status_code == 200, 10, message="the router is healthy again")
         assert text_of(httpx.post(r.url + "/v1/completions", json=SHORT, timeout=60))
     with router(instances=[a.url], health_interval=3600, read_timeout=1.5) as r:  # no probe after the first
         with httpx.stream("POST", r.url + "/v1/completions", json=LONG_STREAM, timeout=60) as s:
@@ -493,9 +487,8 @@ def test_worker_killed_mid_request_then_restarted(worker_a, a, b, llm):
             assert routed(httpx.post(r.url + "/v1/completions", json=SHORT, timeout=60)) == f"instance={b.url}"
             plain = pool.submit(httpx.post, r.url + "/v1/completions",  # to a again, not streamed
                                 json={**LONG_STREAM, "stream": False}, timeout=60)
-            deadline = time.time() + 10
-            while server_metrics(a)["labsupport:num_requests_running"] < 2 and time.time() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: server_metrics(a)["labsupport:num_requests_running"] >= 2, 10,
+                       message="both requests are running on a")
             killed = time.time()
             worker_a["a"].kill()
             rest = [line for line in lines if line.startswith("data:")]
@@ -513,9 +506,8 @@ def test_worker_killed_mid_request_then_restarted(worker_a, a, b, llm):
         # second subprocess would load the model again): the router sends it requests again
         b.stop()
         with BackgroundServer(create_app(llm, "smol"), port=a.port):
-            deadline = time.time() + 10
-            while not httpx.get(r.url + "/health").json()["workers"][a.url]["healthy"] and time.time() < deadline:
-                time.sleep(0.1)
+            wait_until(lambda: httpx.get(r.url + "/health").json()["workers"][a.url]["healthy"], 10,
+                       message="the router finds a healthy again")
             assert routed(httpx.post(r.url + "/v1/completions", json=SHORT, timeout=60)) == f"instance={a.url}"
 
 

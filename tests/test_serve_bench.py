@@ -93,9 +93,8 @@ def test_interrupting_a_benchmark_in_a_notebook_returns_at_once_and_the_server_a
     sent = {}
 
     def interrupt_once_running():
-        deadline = time.time() + 60
-        while not llm.stats()["num_requests_running"] and time.time() < deadline:
-            time.sleep(0.02)
+        from waiting import wait_until
+        wait_until(lambda: llm.stats()["num_requests_running"], 60, message="a request is running")
         sent["at"] = time.perf_counter()
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
