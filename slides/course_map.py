@@ -65,8 +65,8 @@ def course_map(here: str) -> str:
     path = " → ".join(f"**{s}**" if s in touched else s for s in PATH)
     rows = "\n".join(f"| {waste} | {how} | {' · '.join(_chapter(nn, here) for nn in chapters)} |"
                      for waste, how, chapters in WASTES)
-    return (f"<!-- _class: dense -->\n\n<style scoped>\ntable {{ font-size: 19px; }}\n"
-            f".caption {{ font-size: 19px; }}\nh2 {{ margin-bottom: 4px; }}\n</style>\n\n"
+    return (f"<!-- _class: dense -->\n\n<style scoped>\ntable {{ font-size: 17px; }}\n"
+            f".caption {{ font-size: 17px; }}\nh2 {{ margin-bottom: 4px; }}\n</style>\n\n"
             + (f"## Where chapter {here} sits: {CHAPTERS[here][0]}\n\n" if here != "10" else
                "## The course map: every station of the path, every chapter\n\n")
             + f"<div class=\"caption\">\n\n{path}\n\n</div>\n\n"
