@@ -50,7 +50,7 @@ def vllm_status() -> tuple[bool, str]:
 def _shown(path: Path) -> str:
     """A path as an attendee's notebook may print it: relative to the repository when inside it."""
     with contextlib.suppress(ValueError):
-        return str(path.resolve().relative_to(Path(__file__).resolve().parents[2]))
+        return str(path.resolve().relative_to(Path(__file__).resolve().parents[1]))
     return path.name
 
 
