@@ -8,12 +8,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import openai
 import pytest
 from server_tools import LONG, QUESTION, post, wait_idle_and_free
+from waiting import wait_healthy
 
 from labsupport import SamplingParams
 from labsupport.serve.api import create_app
@@ -107,13 +107,7 @@ def test_python_m_labsupport_serve_exits_0_on_sigterm(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.3)
+        wait_healthy(url, timeout=120, proc=proc)
         headers = {"Authorization": "Bearer key-b"}
         with httpx.stream("POST", url + "/v1/chat/completions", json={**LONG, "stream": True}, headers=headers,
                           timeout=30) as r:

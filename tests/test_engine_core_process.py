@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from server_tools import assert_openai_error
+from waiting import wait_healthy, wait_until
 
 from labsupport.serve.api import create_app
 from labsupport.serve.background import BackgroundServer
@@ -66,12 +67,9 @@ def metric(url: str, name: str) -> float:
 
 
 def wait_idle(url: str, timeout: float = 20):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if metric(url, "labsupport:num_requests_running") == 0 and metric(url, "labsupport:kv_cache_usage_perc") == 0:
-            return
-        time.sleep(0.1)
-    raise AssertionError("the engine core did not go idle with every block free")
+    wait_until(lambda: metric(url, "labsupport:num_requests_running") == 0
+               and metric(url, "labsupport:kv_cache_usage_perc") == 0, timeout=timeout, interval=0.1,
+               message="the engine core goes idle with every block free")
 
 
 def test_same_answers_as_the_engine_in_process(server, in_process):
@@ -220,13 +218,7 @@ def cli_server():
                              "--max-model-len", "1024", "--served-model-name", "smol"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.3)
+    wait_healthy(url, timeout=180, proc=proc)
 
     class Srv:
         pass

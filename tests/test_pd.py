@@ -7,6 +7,8 @@ import time
 import pytest
 import torch
 
+from waiting import wait_until
+
 from labsupport import LLM, SamplingParams
 from labsupport.pd.kv_transfer import pack_blocks, pull_blocks, unpack_blocks
 
@@ -42,11 +44,11 @@ def hand_off(prefill, prompt=PROMPT):
 
 def settle(llm, timeout=10.0):
     """Step an idle engine until no KV is on its way in or out (the server's loop does this by itself)."""
-    deadline = time.time() + timeout
-    while llm.engine.has_pending_transfers() and time.time() < deadline:
+    def stepped_and_settled():
         llm.engine.step()
-        time.sleep(0.01)
-    assert not llm.engine.has_pending_transfers()
+        return not llm.engine.has_pending_transfers()
+    if llm.engine.has_pending_transfers():
+        wait_until(stepped_and_settled, timeout=timeout, interval=0.01, message="no KV on its way in or out")
 
 
 def all_free(llm):

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 from server_tools import assert_openai_error
+from waiting import wait_until
 
 from labsupport.pd.cluster import Worker, start_all, stop_all
 from labsupport.pd.router_app import create_router_app
@@ -47,12 +48,11 @@ def colocated(llm):
 
 
 def wait_for(predicate, timeout=15.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
+    """True once ``predicate`` holds, False if it never did within ``timeout`` (callers assert on it)."""
+    try:
+        return bool(wait_until(predicate, timeout=timeout, interval=0.1))
+    except AssertionError:
+        return bool(predicate())
 
 
 def test_router_answers_equal_colocated_and_decode_computes_one_token_each(workers, router, colocated):

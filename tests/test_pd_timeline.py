@@ -11,6 +11,7 @@ import pytest
 from nbclient import NotebookClient
 
 from browser_tools import render_in_browser, require_browser, select
+from waiting import wait_until
 from labsupport import LLM
 from labsupport.serve.api import create_app
 from labsupport.serve.background import BackgroundServer, free_port
@@ -56,12 +57,13 @@ def pd():
 
 def settled(workers, n, timeout=10.0):
     """The timelines once both ends of ``n`` transfers are recorded (the sender's record follows the ack)."""
-    deadline = time.time() + timeout
-    while True:
+    def recorded():
         got = fetch_timelines(workers)
-        if all(len(got[w].get("transfers", [])) >= n for w in workers) or time.time() > deadline:
-            return got
-        time.sleep(0.05)
+        return got if all(len(got[w].get("transfers", [])) >= n for w in workers) else None
+    try:
+        return wait_until(recorded, timeout=timeout, interval=0.05)
+    except AssertionError:
+        return fetch_timelines(workers)  # the caller's assertions say which end is missing
 
 
 def gids(ax, prefix):

@@ -26,3 +26,20 @@ def wait_until(condition: Callable[[], T], timeout: float = 20.0, interval: floa
         if time.monotonic() > deadline:
             raise AssertionError(f"not true after {timeout} s: {message or condition} (last value {value!r})")
         time.sleep(interval)  # the poll's interval, not a guess at when the event happens
+
+
+def healthy(url: str, proc=None) -> bool:
+    """``GET url/health`` answered 200; False while nothing listens yet. ``proc``: the server's process, which
+    must not have exited (a crash at start-up fails at once instead of after the timeout)."""
+    import httpx
+    if proc is not None:
+        assert proc.poll() is None, f"the server at {url} exited while starting (exit code {proc.returncode})"
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def wait_healthy(url: str, timeout: float = 120.0, proc=None) -> None:
+    """Until the server at ``url`` answers ``/health`` with 200 (a model load takes seconds on a loaded machine)."""
+    wait_until(lambda: healthy(url, proc), timeout=timeout, interval=0.2, message=f"{url}/health answers 200")
