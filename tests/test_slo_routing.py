@@ -166,7 +166,7 @@ def test_bursty_load_breaks_a_baseline_and_the_slo_aware_policy_keeps_more_withi
 
     with BackgroundServer(prefilling_worker(0.002)) as fast, BackgroundServer(prefilling_worker(0.004)) as slow:
         result = checks.compare_routing(reference, [fast.url, slow.url], ["fast", "slow"], "smol", Vocabulary(),
-                                        RoutingLoad(num_requests=30, output_len=2))
+                                        RoutingLoad(num_requests=30, output_len=2, load=2.0, slo_factor=2.0))
     rows = {r["policy"]: r for r in result["rows"]}
     assert result["calibration"]["lone_ttft_s"][slow.url] > result["calibration"]["lone_ttft_s"][fast.url]
     assert min(r["attainment"] for r in rows.values()) < 0.9, rows

@@ -2,7 +2,7 @@
 
 ``fn(prompt_tokens, loads, slo_ttft_s) -> url | None`` gets a request's prompt length, one
 ``routing.WorkerLoad`` per healthy worker (what the router sent there and has not seen end, and how
-fast the worker prefills alone) and the TTFT target. Its goal: every request gets the earliest
+fast the worker works through prompt tokens when every worker is busy) and the TTFT target. Its goal: every request gets the earliest
 first token any worker can give it, and a request that no worker can start within the target is
 refused at once (``None``: the router answers 429) instead of delaying everyone queued behind it.
 
@@ -120,11 +120,15 @@ def check_choose_worker(fn, random_situations: int = 300):
 
 @dataclass
 class RoutingLoad:
-    """The bursty load of the comparison, overloaded by construction on any machine: the target is relative to the
-    slower worker's lone TTFT of a long prompt, and the rate offers ``load`` times the prompt tokens the workers
-    prefill per second alone. A policy that serves every request then builds a queue that grows by ``load - 1``
-    seconds of work per second, so past the first few seconds' worth its requests miss the target whatever
-    it picks; bursts (gamma shape below 1) bring several long prompts at once on top."""
+    """The bursty load of the comparison, sized from what the workers sustain together on this machine.
+
+    Calibration measures two speeds per worker. Its *lone* TTFT of a long prompt sets the target (``slo_factor``
+    times the slower worker's). Its *sustained* seconds per prompt token come from a burst of the load's own mix
+    sent to every worker at once: decode steps, HTTP and scheduling overheads, and the workers sharing the
+    machine's cores are all in it, so a long prompt alone is a poor guide to how fast a queue drains. Both the
+    offered rate (``load`` times the requests per second the workers sustain) and the speeds the SLO-aware
+    policy predicts with are the sustained ones. Bursts (gamma shape below 1) bring several requests at once:
+    above one, a policy that serves everything builds a queue, and some requests miss the target."""
 
     num_requests: int = 30
     long_len: int = 256  # prompt tokens of a long request ...
@@ -132,9 +136,17 @@ class RoutingLoad:
     long_share: float = 0.3
     output_len: int = 8
     burstiness: float = 0.3  # gamma shape: 1 is Poisson, below 1 burstier
-    load: float = 2.0  # offered prompt tokens / the workers' lone prefill capacity: twice what they can serve
-    slo_factor: float = 2.0  # TTFT target = this x the slower worker's lone TTFT of a long prompt
+    load: float = 1.5  # offered requests per second / what the workers sustained together in calibration
+    slo_factor: float = 3.0  # TTFT target = this x the slower worker's lone TTFT of a long prompt
+    calibration_burst: int = 8  # requests of the mix sent to each worker at once to measure its sustained speed
     seed: int = 0
+
+    def lengths(self, num_requests: int, seed: int) -> list[int]:
+        """``num_requests`` prompt lengths, ``long_share`` of them long, in a seeded order."""
+        longs = round(self.long_share * num_requests)
+        lengths = [self.long_len] * longs + [self.short_len] * (num_requests - longs)
+        random.Random(seed).shuffle(lengths)
+        return lengths
 
 
 def _prompts(tokenizer, lengths: list[int], seed: int) -> list[list[int]]:
@@ -155,14 +167,37 @@ def _lone_ttft(url: str, model: str, prompt: list[int]) -> float:
     return r.requests[0].ttft
 
 
+def _sustained(urls: list[str], model: str, tokenizer, load: RoutingLoad) -> dict[str, float]:
+    """Seconds per prompt token each worker sustains while every worker serves a burst of the mix at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..bench.serving.serve_bench import COMPLETIONS, benchmark
+    from ..bench.serving.serve_datasets import SampleRequest
+    lengths = load.lengths(load.calibration_burst, load.seed + 2000)
+
+    def burst(i_url):
+        i, url = i_url
+        requests = [SampleRequest(p, len(p), load.output_len)
+                    for p in _prompts(tokenizer, lengths, load.seed + 3000 + i)]
+        r = benchmark(url, model, requests, endpoint=COMPLETIONS, progress=False, test_request=False)
+        failed = [q.error for q in r.requests if not q.success]
+        if failed:
+            raise RuntimeError(f"{url}: {len(failed)} calibration requests failed, first: {failed[0]}")
+        return url, r["duration"] / sum(lengths)
+
+    with ThreadPoolExecutor(len(urls)) as pool:
+        return dict(pool.map(burst, enumerate(urls)))
+
+
 def calibrate(urls: list[str], model: str, tokenizer, load: RoutingLoad) -> dict:
-    """Each worker's lone TTFT of a long prompt (after one warm-up), its seconds per token, and the target."""
+    """Each worker's lone TTFT of a long prompt (after one warm-up), the target it sets, and each worker's sustained
+    seconds per prompt token with every worker busy (``_sustained``)."""
     lone = {}
     for i, url in enumerate(urls):
         warm, *probes = _prompts(tokenizer, [load.short_len, load.long_len, load.long_len], load.seed + 1000 + i)
         _lone_ttft(url, model, warm)  # a server's first requests are slower: not the one measured
         lone[url] = min(_lone_ttft(url, model, p) for p in probes)
-    return {"lone_ttft_s": lone, "s_per_token": {u: t / load.long_len for u, t in lone.items()},
+    return {"lone_ttft_s": lone, "s_per_token": _sustained(urls, model, tokenizer, load),
             "slo_ttft_s": load.slo_factor * max(lone.values())}
 
 
@@ -180,11 +215,8 @@ def compare_routing(choose_worker, urls: list[str], names: list[str], model: str
 
     cal = calibrate(urls, model, tokenizer, load)
     slo, spt = cal["slo_ttft_s"], cal["s_per_token"]
-    rng = random.Random(load.seed)
-    longs = round(load.long_share * load.num_requests)  # exactly this many, in a seeded order
-    lengths = [load.long_len] * longs + [load.short_len] * (load.num_requests - longs)
-    rng.shuffle(lengths)
-    capacity = sum(1 / (s * sum(lengths) / len(lengths)) for s in spt.values())  # requests/s, prefill alone
+    lengths = load.lengths(load.num_requests, load.seed)
+    capacity = sum(1 / (s * sum(lengths) / len(lengths)) for s in spt.values())  # requests/s the workers sustain
     rate = load.load * capacity
     policies = [("round robin", "round_robin"), ("least loaded", "least_loaded"), ("your SLO-aware", None)]
     rows = []
@@ -208,10 +240,12 @@ def compare_routing(choose_worker, urls: list[str], names: list[str], model: str
                      "within": len(good), "late": len(late), "shed": len(shed), "requests": len(requests),
                      "p90_ttft_s": r["p90_ttft_ms"] / 1000, "duration_s": r["duration"]})
     lone = ", ".join(f"{n} {cal['lone_ttft_s'][u] * 1000:.0f} ms" for n, u in zip(names, urls))
+    sustained = ", ".join(f"{n} {spt[u] * 1000:.1f} ms" for n, u in zip(names, urls))
     print(f"lone TTFT of a {load.long_len}-token prompt: {lone}; target TTFT {slo * 1000:.0f} ms "
-          f"({load.slo_factor:g}x the slower); {load.num_requests} requests ({sum(x == load.long_len for x in lengths)} "
-          f"of {load.long_len} tokens, the rest {load.short_len}), {load.output_len} tokens out, gamma arrivals of "
-          f"shape {load.burstiness:g} at {rate:.2f} req/s")
+          f"({load.slo_factor:g}x the slower); sustained per prompt token, all workers busy: {sustained}")
+    print(f"{load.num_requests} requests ({sum(x == load.long_len for x in lengths)} of {load.long_len} tokens, the "
+          f"rest {load.short_len}), {load.output_len} tokens out, gamma arrivals of shape {load.burstiness:g} at "
+          f"{rate:.2f} req/s ({load.load:g}x the {capacity:.2f} req/s the workers sustained)")
     print(f"{'policy':16} {'within target':>14} {'attainment':>11} {'goodput':>12} {'late':>5} {'shed':>5} "
           f"{'TTFT P90 of served':>19}")
     for row in rows:

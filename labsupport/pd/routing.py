@@ -108,11 +108,11 @@ class Shed(Exception):
 @dataclass(frozen=True)
 class WorkerLoad:
     """What the router knows of one worker when a request arrives: what *it* sent there and has not seen
-    end (exact, unlike a polled queue length), and how fast the worker prefills when alone."""
+    end (exact, unlike a polled queue length), and how fast the worker works through prompt tokens."""
     url: str
     queued_tokens: int  # prompt tokens of the requests this router sent to the worker that have not ended
     in_flight: int  # those requests
-    s_per_token: float  # seconds of prefill per prompt token, measured on the idle worker
+    s_per_token: float  # seconds per prompt token it sustains (chapter 08 measures it with every worker busy)
 
 
 class SLOAware(Policy):
