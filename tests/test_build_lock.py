@@ -1,4 +1,4 @@
-"""Two processes building the same C++ extension take turns (``labsupport/kernels/build.py``'s ``exclusive_build``),
+"""Two processes building the same C++ extension take turns (``labsupport/kernels/jit.py``'s ``exclusive_build``),
 and a build killed midway leaves nothing that blocks the next one. Model-free: torch's builder is stood in for
 by the ``lock`` file it creates and removes, so no compiler runs. The processes are real (``subprocess``) and
 talk through files in the build folder: ``<name>.in`` once inside, ``<name>.go`` to let it finish,
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # four Python processes that import torch
 BUILD = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from labsupport.kernels.build import exclusive_build
+    from labsupport.kernels.jit import exclusive_build
     folder, name = Path(sys.argv[1]), sys.argv[2]
     (folder / f"{name}.ready").touch()  # imported: next, the lock
     with exclusive_build(str(folder)):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from labsupport import SamplingParams
-from labsupport.kernels import build as builder, cpu_ops, cpu_products, select
+from labsupport.kernels import cpu_ops, jit, cpu_products, select
 from labsupport.kernels.products import product
 from labsupport.models.llama import Linear, ModelConfig, RMSNorm, apply_rope, rope_frequencies, use_kernels
 
@@ -186,7 +186,7 @@ def test_an_engine_gives_the_same_tokens_without_the_kernel(built, llm, monkeypa
     no token, and logprobs only in float32's last places (they sum in another order than oneDNN)."""
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=2)
     with_kernels = [llm.generate(PROMPTS[:b], params, use_tqdm=False) for b in (1, 3, 5, 10)]
-    monkeypatch.setitem(builder._built, cpu_ops.NAME, (None, "switched off by the test"))
+    monkeypatch.setitem(jit._built, cpu_ops.NAME, (None, "switched off by the test"))
     without = [llm.generate(PROMPTS[:b], params, use_tqdm=False) for b in (1, 3, 5, 10)]
     for a, b in zip(sum(with_kernels, []), sum(without, [])):
         assert a.token_ids == b.token_ids
@@ -207,14 +207,14 @@ def test_the_other_instruction_sets_compute_the_same(built, vectors):
         pytest.skip("AVX2 is x86's")
     flags = ["-O3", "-fopenmp"] + (["-mavx2", "-mfma"] if vectors == "avx2" else [])
     model = load_inline(f"labsupport_test_model_{vectors}",
-                        cpp_sources=builder.sources(["model_ops.cpp", "products.cpp"]),
+                        cpp_sources=jit.sources(["model_ops.cpp", "products.cpp"]),
                         functions=["rms_norm", "silu_mul", "thin_product", "panel_product", "vector_width"],
                         extra_cflags=flags + ["-ffp-contract=off"], extra_ldflags=["-fopenmp"],
-                        extra_include_paths=[str(builder.CSRC)])
+                        extra_include_paths=[str(jit.CSRC)])
     decode = load_inline(f"labsupport_test_attention_{vectors}",
-                         cpp_sources=builder.sources(["paged_decode.cpp", "paged_prefill.cpp"]),
+                         cpp_sources=jit.sources(["paged_decode.cpp", "paged_prefill.cpp"]),
                          functions=["paged_decode", "paged_prefill"], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                         extra_include_paths=[str(builder.CSRC)])
+                         extra_include_paths=[str(jit.CSRC)])
     width = 2 * model.vector_width()
     assert width == 16
     x, weight = torch.randn(3, 40) * 3, torch.randn(40)  # 40: two vectors and a tail of 8 with AVX-512, 5 with AVX2

@@ -51,12 +51,12 @@ def test_the_import_reader_sees_function_level_and_relative_imports():
     named in ``from . import``."""
     assert "labsupport.kernels.triton_attention" in imported_modules("labsupport.kernels.select")  # in a function
     assert "labsupport.kernels.select" in imported_modules("labsupport.engine.paged_attention")
-    assert "labsupport.kernels.build" in imported_modules("labsupport.kernels.cpu_ops")  # from . import build as ...
+    assert "labsupport.kernels.jit" in imported_modules("labsupport.kernels.cpu_ops")  # from . import jit
     assert "labsupport.engine.scheduler" in imported_modules("labsupport.engine.engine")
 
 
 def test_no_python_file_holds_a_cpp_source():
-    """C++ is compiled from ``kernels/csrc`` (``kernels/build.py``); a kernel kept in a Python string is not seen by
+    """C++ is compiled from ``kernels/csrc`` (``kernels/jit.py``); a kernel kept in a Python string is not seen by
     a C++ editor, compiler warnings or the package's data files."""
     holders = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in MODULES.values()
                for node in ast.walk(ast.parse(path.read_text()))
@@ -89,9 +89,6 @@ LAYER_RULES = {
 }
 LAYER_EXCEPTIONS = {("labsupport.bench.cli", "labsupport.experiments")}
 SHARED_BASENAMES = {"__init__", "cli"}  # a package's own command line may be called so in each package
-# engine/build.py assembles an engine, kernels/build.py compiles the C++: one of them is renamed once the kernels
-# work on both files has merged (renaming either now would collide with it)
-NOT_YET_RENAMED = {"build"}
 
 
 def inside(module: str, package: str) -> bool:
@@ -117,7 +114,7 @@ def test_no_two_modules_share_a_basename():
     was meant: a module is named for what it holds, once in the package."""
     by_name: dict[str, list[str]] = {}
     for name, path in MODULES.items():
-        if path.stem not in SHARED_BASENAMES | NOT_YET_RENAMED:
+        if path.stem not in SHARED_BASENAMES:
             by_name.setdefault(path.stem, []).append(name)
     shared = {stem: names for stem, names in by_name.items() if len(names) > 1}
     assert not shared, f"modules with the same file name: {shared}"

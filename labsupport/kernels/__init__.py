@@ -13,7 +13,7 @@ model (``models/llama.py``) and the attention backend receive the choice and nev
   ``cuda_graphs.py`` (decode steps replayed from CUDA graphs).
 
 The C++ lives in ``csrc/`` as ordinary source files (one header, ``vectors.h``, for the vector type every
-kernel is written with), built by one helper (``build.py``). Each kernel says when it applies and answers
+kernel is written with), built by one JIT helper (``jit.py``). Each kernel says when it applies and answers
 None, or keeps PyTorch's path, where it does not. The kernels themselves import neither the model nor the
 engine; ``select.py``, ``products.py`` and the two step executors join them to the model's and engine's types.
 """

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from . import cpu_attention, cpu_products
-from .build import compile_extension
+from .jit import compile_extension
 from ..engine.runner import EagerStep
 from ..models.llama import LlamaForCausalLM, Linear, stacked_current
 

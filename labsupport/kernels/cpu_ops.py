@@ -24,14 +24,14 @@ as for every product.
 instead of a scalar ``exp`` call: one pass over the product instead of two over its strided halves.
 
 **Building.** ``build()`` compiles ``csrc/model_ops.cpp`` and ``csrc/products.cpp`` into one extension
-(``build.py``: once per machine); until it has, or where it cannot, every function here answers None and
+(``jit.py``: once per machine); until it has, or where it cannot, every function here answers None and
 PyTorch's code runs.
 """
 from __future__ import annotations
 
 import torch
 
-from . import build as builder
+from . import jit
 
 NAME = "cpu_model_kernels"  # the extension: these kernels and the products' (cpu_products.py)
 
@@ -39,7 +39,7 @@ NAME = "cpu_model_kernels"  # the extension: these kernels and the products' (cp
 def build() -> tuple[bool, str]:
     """Build the model's CPU kernels now, these and ``cpu_products.py``'s in one extension, or say why they
     cannot be (then PyTorch's code runs)."""
-    module, why_not = builder.compile_extension(
+    module, why_not = jit.compile_extension(
         NAME, "the CPU model kernels (RoPE, norms, products)", ["model_ops.cpp", "products.cpp"],
         ["rope_qk", "rms_norm", "silu_mul", "thin_product", "panel_product", "vector_width"], ["-ffp-contract=off"])
     return module is not None, why_not
@@ -47,7 +47,7 @@ def build() -> tuple[bool, str]:
 
 def extension():
     """The built extension of ``build()`` (these kernels and the products'), or None: not built (yet)."""
-    return builder.built(NAME)
+    return jit.built(NAME)
 
 
 def cpu_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
