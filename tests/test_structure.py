@@ -120,6 +120,44 @@ def test_no_two_modules_share_a_basename():
     assert not shared, f"modules with the same file name: {shared}"
 
 
+# A docstring says why a piece is as it is; how fast it was on one machine one day belongs in benchmarks/README.md,
+# where it keeps its date and machine and is not mistaken for a property of the code.
+MEASUREMENT = re.compile(r"\d+(\.\d+)?\s*(tok/s|tokens/s|ms\b|µs|us\b|GB/s|MB/s)|\b20\d\d-\d\d-\d\d\b"
+                         r"|\d(\.\d+)?\s*[x×]\s+(faster|slower)|\bmeasured on\b(?!:)|\bcommit [0-9a-f]{7,40}\b")
+FIGURES_ALLOWED = {  # module -> why its docstring's figures are not measurements
+    "labsupport.claims": "it documents the notation of the figures it checks (``1,460 ms``, ``67.8/82.5 tok/s``)",
+    "labsupport.serve.async_engine": "a step's range (10-100 ms) is the why: a blocking call, so a thread",
+    "labsupport.serve.loop_lag": "the probe's own setting: a task asks to sleep 50 ms",
+}
+
+
+def measurements_in_docstrings(source: str) -> list[str]:
+    """The lines of a module's docstring and its classes' that report a measured figure."""
+    tree = ast.parse(source)
+    docs = [ast.get_docstring(node) or "" for node in ast.walk(tree) if isinstance(node, (ast.Module, ast.ClassDef))]
+    return [line.strip() for doc in docs for line in doc.splitlines() if MEASUREMENT.search(line)]
+
+
+def test_no_module_or_class_docstring_reports_a_measurement():
+    found = {name: lines for name, path in MODULES.items() if name not in FIGURES_ALLOWED
+             for lines in [measurements_in_docstrings(path.read_text())] if lines}
+    assert not found, f"measurements in docstrings (move them to benchmarks/README.md): {found}"
+    assert all(measurements_in_docstrings(MODULES[name].read_text()) for name in FIGURES_ALLOWED)  # none stale
+
+
+def test_the_measurement_finder_sees_what_stood_in_docstrings_and_keeps_design_facts():
+    """Lines that were in the package's docstrings once, and design facts that must pass."""
+    measured = ["concurrent load on this machine: 15 against 9 tokens/s for 4 users",
+                "took 5-6 ms of a 21 ms batch-1 step", "reads the weights at ~33 GB/s", "1.7x faster than the default BLAS",
+                "It describes the code as of 2026-12-03", "Defaults measured on SmolLM2-135M-Instruct"]
+    facts = ["vLLM uses 16-token blocks", "the target is 70 %", "For each method one engine is measured on:",
+             "the stacked gate/up product alone is [6400, 3072] floats", "groups of 32 inputs"]
+    for line in measured:
+        assert measurements_in_docstrings(f'"""{line}"""'), line
+    for line in facts:
+        assert not measurements_in_docstrings(f'class A:\n    """{line}"""'), line
+
+
 def test_the_test_tiers_name_only_files_that_exist():
     """conftest.py orders a run by tier from two lists of file names: a renamed file would silently fall to tier 1."""
     import conftest

@@ -6,8 +6,8 @@ time, with the same requests (chapter 06's load generator, ``serve_datasets``):
 * ``all``: our engine with every technique of the course on (paged KV, continuous batching, prefix caching,
   chunked prefill, n-gram speculative decoding, int8 weights);
 * ``all - X``: the same with one technique off, for each X: what X buys is ``all`` against ``all - X``;
-* ``transformers serve --continuous-batching`` (Hugging Face's own OpenAI server, its faster mode under
-  concurrent load on this machine: 15 against 9 tokens/s for 4 users) and ``vllm serve``, both fp32.
+* ``transformers serve --continuous-batching`` (Hugging Face's own OpenAI server, in the mode that was the
+  faster of its two under concurrent load here: ``benchmarks/README.md``) and ``vllm serve``, both fp32.
 
 Each row is a kind of traffic, with the metric its users feel (``Traffic.headline``): short chat (capacity:
 output tokens/s, hence $ per million tokens), long-document RAG (long unique prompts among chats, Poisson:

@@ -5,7 +5,7 @@
 ``apply_rope`` in PyTorch is five small kernels per tensor (negate, concatenate, two products, a
 sum), ten per layer for q and k. In a decode step of an 8B model on a GPU each is a few microseconds
 that moves almost no bytes, and together they are a visible part of the step: launch and latency, not
-work (``benchmarks/README.md``: what they measured on an H200). This
+work (``benchmarks/README.md``: their H200 figures). This
 kernel does both rotations in one launch, one program per token over all its heads, in fp32, and
 writes q and k contiguous (what the attention kernel reads).
 

@@ -9,11 +9,11 @@ bytes than in float32; the activations stay in floating point ("weight-only").
   are coarse, so each group gets its own range: asymmetric fits the group's min..max, symmetric
   (zero = 0) fits -absmax..absmax and wastes levels on one side.
 
-Defaults measured on SmolLM2-135M-Instruct (``python -m labsupport.bench.lab.quant``): asymmetric beats
-symmetric, group 32 beats 64 (128 does not divide its 576-wide rows). Part of that lead is particular
-to this model: its weights were dequantized from a Q4_1 GGUF file (blocks of 32 inputs with a scale
-and a minimum), a grid group 32 re-finds almost exactly (0.5 % error per matrix, 8 % with group 64).
-On the embedding, not on such a grid (it is ``lm_head``), group 32 errs 9.0 % against 11.2 %.
+The defaults, asymmetric groups of 32, are what ``python -m labsupport.bench.lab.quant`` and
+``quantization_error`` found best on SmolLM2-135M-Instruct (128 does not divide its 576-wide rows; the
+errors: ``benchmarks/README.md``). Part of that lead is particular to this model: its weights were
+dequantized from a Q4_1 GGUF file (blocks of 32 inputs with a scale and a minimum), a grid that group 32
+re-finds almost exactly; on the embedding (it is ``lm_head``), not on such a grid, group 32's lead is small.
 
 The products run in torch's own kernels (``aten._weight_int8pack_mm``; ``_weight_int4pack_mm_for_cpu``
 on the CPU, ``_weight_int4pack_mm`` on CUDA: gpt-fast's). Their fast paths take bfloat16 activations

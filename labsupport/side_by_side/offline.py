@@ -8,8 +8,8 @@ fp32 (bf16 gave garbage for this model on CPU), eager, block size 32, the CPU en
 ``bench compare`` (``vllm_runner.cpu_env``). By default vLLM runs its engine core and its model
 worker as two more processes, each importing torch and vLLM again; for a handful of prompts the
 engine runs in the script's own process instead (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which
-starts in about half the time (~30 s instead of ~55 s here) with the same tokens. Pass every
-prompt in one call all the same.
+saves those two imports (about half the start-up: ``benchmarks/README.md``) and gives the same tokens.
+Pass every prompt in one call all the same.
 
 Greedy decoding is deterministic in each engine, but two engines add the same numbers in different
 orders: where the best two logits are nearly tied, one rounding can flip the choice, and from there

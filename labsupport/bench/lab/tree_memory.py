@@ -10,9 +10,9 @@ there is no PSS and the RSS sum stands in for it, an overestimate, and the repor
 
 ``memory = TreeMemory().start()`` ... ``print(memory.report())``. The sampling thread ends with
 ``stop()``, or when the object is dropped (re-running a notebook cell starts a new one). Reading a
-process's PSS makes the system walk its page tables, about 15 ms of CPU for a process holding torch
-and a model: every 2 s, nine processes cost a few percent of one core, and the memory of a chapter
-rises in steps that last far longer than that.
+process's PSS makes the system walk its page tables, which is not free for a process holding torch and a
+model (``benchmarks/README.md``), so the tree is sampled every 2 s: the memory of a chapter rises in steps
+that last far longer than that.
 """
 from __future__ import annotations
 

@@ -3,10 +3,11 @@
 vLLM pins its own torch and transformers, so it lives in ``.venv-vllm`` (``make vllm-env``), not in
 the lab's environment. We hand it the token ids as JSON, run ``vllm_worker.py`` with that venv's
 Python, and read its timings back: every workload in one subprocess, because starting vLLM
-costs about 35 s. The CPU settings are the measured ones (``shared/notes/vllm-cpu.md``): fp32
-(bf16 gave garbage for this model), eager (compiling costs 2 minutes of start-up for ~10 %),
-OpenMP bound to every core with none reserved (the default leaves one of two cores idle), and a
-2 GiB KV cache (the default takes most of the RAM).
+takes far longer than a workload (its start-up and what compiling would cost: ``benchmarks/README.md``).
+The CPU settings are the measured ones (``shared/notes/vllm-cpu.md``): fp32 (bf16 gave garbage for
+this model), eager (compiling adds minutes of start-up for a few percent of speed), OpenMP bound to
+every core with none reserved (the default leaves one of two cores idle), and a 2 GiB KV cache (the
+default takes most of the RAM).
 """
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ A standalone script file, importing nothing from labsupport (that venv need not 
 vLLM spawns its engine core as a new process that re-imports the main module: the work must sit
 under ``if __name__ == "__main__":`` of a real file (a script piped on stdin fails).
 
-It starts vLLM once (about 35 s on 2 cores, not timed), warms it up, then for each workload
-resets the prefix cache and times one ``generate`` over the given token ids. Per request it
+It starts vLLM once (not timed; how long that takes: ``benchmarks/README.md``), warms it up, then for
+each workload resets the prefix cache and times one ``generate`` over the given token ids. Per request it
 writes the token count and, when vLLM fills ``RequestOutput.metrics``, the engine's first and
 last token times (``time.monotonic``, the same clock in every process), relative to the start.
 
