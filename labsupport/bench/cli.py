@@ -97,16 +97,13 @@ def main(argv: list[str]) -> int:
         if args.subcommand == "profile":
             from .offline.profiling import main as profile_main
             return profile_main(args)
-        import json
-
         from ..models.loader import resolve_model_path
         from .lab.roofline import format_roofline, measure
+        from .summary import write_report
         roof = measure(resolve_model_path(args.model), quick=args.quick)
         print(format_roofline(roof))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(roof, f, indent=2)
-            print(f"wrote {args.json}")
+            write_report(args.json, roof)
         return 0
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -7,16 +7,13 @@ queueing time, all in milliseconds.
 """
 from __future__ import annotations
 
+import json
+import shlex
+import sys
+import time
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), without numpy."""
-    if not values:
-        return float("nan")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+from ..machine import machine
+from ..percentiles import percentile, tail
 
 
 def summarize(outputs, duration_s: float) -> dict:
@@ -45,16 +42,6 @@ def summarize(outputs, duration_s: float) -> dict:
     return summary
 
 
-MIN_P99_SAMPLES = 100  # below this, a "P99" is the largest sample or next to it: call it the max
-
-
-def tail(summary: dict, name: str) -> tuple[str, float]:
-    """("P99", value) with at least ``MIN_P99_SAMPLES`` samples of ``name``, else ("max", the largest)."""
-    if summary.get(f"n_{name}", MIN_P99_SAMPLES) >= MIN_P99_SAMPLES:
-        return "P99", summary[f"p99_{name}_ms"]
-    return "max", summary[f"max_{name}_ms"]
-
-
 def format_summary(summary: dict) -> str:
     lines = [f"{'requests':28s}{summary['requests']}",
              f"{'duration (s)':28s}{summary['duration_s']:.2f}",
@@ -67,13 +54,28 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def command() -> str:
+    """The command line that started this process, as a reader would type it again (``python -m labsupport ...``)."""
+    return shlex.join(["python", *sys.orig_argv[1:]])
+
+
+def write_report(path: str, data: dict) -> dict:
+    """Write a measurement to ``path`` as JSON with what a reader needs to trust it later: the machine it ran on,
+    the date and the command that made it (each kept where ``data`` already records its own, as a GPU run its
+    device). Returns what was written. The benchmark commands' ``--json`` go through here, so a saved run lacks
+    none of the three (``bench serve --save-result`` writes vLLM's result format instead)."""
+    record = {"machine": data.get("machine") or machine(), "date": data.get("date") or time.strftime("%Y-%m-%d"),
+              "command": data.get("command") or command(), **data}
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2, default=str)
+    print(f"wrote {path}")
+    return record
+
+
 def save_run(result: dict, json_path: str | None, plot_path: str | None, draw) -> None:
     """A benchmark command's ``--json`` and ``--plot``: the run as JSON, ``draw(result)``'s figure as a PNG."""
-    import json
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {json_path}")
+        write_report(json_path, result)
     if plot_path:
         draw(result).savefig(plot_path, dpi=130)
         print(f"wrote {plot_path}")

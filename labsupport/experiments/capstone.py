@@ -263,7 +263,7 @@ def run(sizes: Sizes = Sizes(), scale: float = 1.0, which: tuple | None = None, 
 
     from ..models.loader import resolve_model_path
     from ..servers import vllm_status
-    from ..bench.offline.compare import machine
+    from ..machine import machine
     from ..bench.lab.roofline import model_facts, other_runnable
     from ..bench.serving.serve_datasets import load_tokenizer
     folder = str(resolve_model_path(None))

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 import httpx
 import numpy as np
 
-from ..bench.summary import MIN_P99_SAMPLES, percentile, tail
+from ..percentiles import MIN_P99_SAMPLES, percentile, tail
 from ..bench.serving.serve_bench import benchmark
 from ..bench.serving.serve_datasets import SampleRequest
 
@@ -220,7 +220,7 @@ def _metrics(url: str) -> dict | None:
 
 
 def ttft_tail_of(ttfts_ms: list[float]) -> tuple[str, float]:
-    """("P99", value) from at least ``MIN_P99_SAMPLES`` TTFTs, else ("max", the largest): ``metrics.tail``'s rule."""
+    """("P99", value) from at least ``MIN_P99_SAMPLES`` TTFTs, else ("max", the largest): ``percentiles.tail``'s rule."""
     return tail({"n_ttft": len(ttfts_ms), "p99_ttft_ms": percentile(ttfts_ms, 99),
                  "max_ttft_ms": max(ttfts_ms, default=math.nan)}, "ttft")
 
@@ -288,7 +288,7 @@ def run(sizes: Sizes = Sizes(), which=ROW_IDS, usd_per_hour: float = 0.10, arriv
     """Measure the chosen rows one after the other; the whole table as a JSON-able dict."""
     from ..models.loader import resolve_model_path
     from ..servers import vllm_status
-    from ..bench.offline.compare import machine
+    from ..machine import machine
     from ..bench.lab.roofline import model_facts, other_runnable
     from ..bench.serving.serve_datasets import load_tokenizer
     folder = str(resolve_model_path(None))

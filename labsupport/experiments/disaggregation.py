@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from ..bench.serving.serve_bench import COMPLETIONS, BenchResult, benchmark
-from ..bench.summary import percentile
+from ..percentiles import percentile
 from ..pd.cluster import Router, Worker, start_all, stop_all
 
 WORKER_ARGS = ["--num-blocks", "512", "--max-num-batched-tokens", "2048",  # ~0.4 GB of KV: give pool_args instead

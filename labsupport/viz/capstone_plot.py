@@ -10,6 +10,8 @@ import math
 
 import numpy as np
 
+from ..machine import describe_machine
+
 HEADLINE_NAMES = {"output_tok_s": "output tok/s", "slo_attainment": "SLO met", "tpot_p50_ms": "TPOT P50 ms",
                   "tpot_p90_ms": "TPOT P90 ms", "e2el_p50_ms": "answer P50 ms"}
 
@@ -26,7 +28,6 @@ def _headline(metric: str, v) -> str:
 
 
 def caption(r: dict) -> str:
-    from ..bench.offline.compare import describe_machine
     return (f"{r['model']} on {describe_machine(r['machine'])}, {r['date']}; "
             f"${r['usd_per_hour']:.2f}/hour for the machine; each server alone, the same requests over HTTP")
 
@@ -215,7 +216,6 @@ def reading(r: dict) -> str:
 
 def slide_caption(r: dict) -> str:
     """The figure's caption for a deck: the rule, the run's size and where and when it was measured."""
-    from ..bench.offline.compare import describe_machine
     servers = sum("traffic" in c for c in r["columns"])
     return (f"Each cell: everything on against everything on but that technique, on the traffic's headline; "
             f"{noise_line(r)}. Right: all against `transformers serve` and `vllm serve`, one run each. "

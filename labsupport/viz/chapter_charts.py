@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from ..bench.summary import tail
+from ..percentiles import tail
 
 
 def _finish(fig, title: str, footnote: str, bottom: float = 0.05):
@@ -88,7 +88,7 @@ def plot_cache_levels(runs: dict, names: dict, title: str, footnote: str):
 
 def plot_policy_comparison(summaries: dict, title: str, footnote: str):
     """Chapter 04: throughput, then the median and the tail of TTFT, latency and TPOT, one colour per policy.
-    The tail bar says "max" where there are too few samples for a P99 (``bench.summary.tail``)."""
+    The tail bar says "max" where there are too few samples for a P99 (``percentiles.tail``)."""
     fig, axes = plt.subplots(1, 4, figsize=(12, 3.2))
     colors = dict(zip(summaries, ["tab:gray", "tab:blue", "tab:green", "tab:orange"]))
     panels = [("output_throughput", "output tokens / s", "throughput (higher is better)"),

@@ -31,7 +31,6 @@ CPU (the kernel under triton's interpreter) so that the script itself is tested
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -157,8 +156,8 @@ def main(argv=None) -> int:
     report["seconds"] = time.perf_counter() - started
     print_report(report)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        from ..summary import write_report
+        write_report(args.json, report)
     return 0 if report["ok"] else 1
 
 

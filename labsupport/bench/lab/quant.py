@@ -29,6 +29,7 @@ from ...data import text
 from ...engine.request import SamplingParams
 from ...engine.runner import sequence_logits
 from ...models.quantize import quantize_model
+from ..summary import write_report
 
 DEFAULT_METHODS = ("fp32", "bf16", "int8", "int4")
 
@@ -234,7 +235,7 @@ def _measure(methods, tokens, questions, ppl_tokens, batch, model, progress) -> 
     for row in rows.values():
         row["memory_ratio"] = row["bytes_read_per_step"] / base["bytes_read_per_step"]
         row["speedup"] = row["decode_tok_s"] / base["decode_tok_s"]
-    from ..offline.compare import machine
+    from ...machine import machine
     return {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "methods": rows,
             "settings": {"tokens": tokens, "batch": batch, "questions": len(base["answers"]),
                          "ppl_tokens": ppl_tokens, "threads": torch.get_num_threads(),
@@ -300,7 +301,7 @@ def reading(report: dict) -> str:
 
 def label(report: dict) -> str:
     """Where and when a report was measured (older saved reports carry a label added afterwards)."""
-    from ..offline.compare import describe_machine
+    from ...machine import describe_machine
     m = report.get("machine")
     return f"{describe_machine(m)}, {report['date']}" if m else "an unrecorded machine and date"
 
@@ -375,9 +376,7 @@ def main_from_args(args: argparse.Namespace) -> int:
         return 2
     print(format_table(report))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
+        write_report(args.json, report)
     return 0
 
 

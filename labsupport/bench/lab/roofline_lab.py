@@ -16,7 +16,6 @@ The costs are counted here (``step_costs``), the times are the engine's own reco
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import statistics
@@ -26,6 +25,7 @@ from tqdm.auto import tqdm
 from ...engine.request import SamplingParams
 from ...models.llama import ModelConfig
 from . import roofline
+from ..summary import write_report
 
 H200 = {"name": "H200 (published)", "peak_flops": 989e12, "peak_bw": 4.8e12, "dtype_bytes": 2}  # dense BF16, HBM3e
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -317,13 +317,7 @@ def main(argv=None) -> int:
     print(f"{llm.model_name}, {torch.get_num_threads()} CPU threads; roofs {source}")
     print(format_report(report))
     if args.json:
-        import time
-
-        from ..offline.compare import machine
-        with open(args.json, "w") as f:
-            json.dump({"date": time.strftime("%Y-%m-%d"), "machine": machine(), **report, "roofline": roof}, f,
-                      indent=2, default=str)
-        print(f"wrote {args.json}")
+        write_report(args.json, {**report, "roofline": roof})
     return 0
 
 

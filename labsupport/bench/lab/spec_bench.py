@@ -20,13 +20,13 @@ difference only beyond it, and never under the course's ±15 %.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 
 from tqdm.auto import tqdm
 
 from ...data import text
+from ..summary import write_report
 
 CODE = '''def total_price(items, tax_rate):
     total = 0
@@ -125,7 +125,7 @@ def run(ks=(0, 2, 4, 8), temperatures=(0.0, 1.0), batch_sizes=(4, 16), max_token
         row["same_tokens"] = row["token_ids"] == base["token_ids"] if row["temperature"] == 0 else None
     for llm in engines.values():
         llm.shutdown()
-    from ..offline.compare import machine
+    from ...machine import machine
     return {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "method": method, "draft": draft,
             "max_tokens": max_tokens, "rows": rows}
 
@@ -171,9 +171,8 @@ def main(args) -> int:
                  "draft_model" if args.draft else "ngram", args.draft, args.device)
     print(format_report(report))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**report, "rows": [{k: v for k, v in r.items() if k != "token_ids"} for r in report["rows"]]},
-                      f, indent=1)
+        write_report(args.json, {**report, "rows": [{k: v for k, v in r.items() if k != "token_ids"}
+                                                    for r in report["rows"]]})
     return 0 if all(r["same_tokens"] is not False for r in report["rows"]) else 1
 
 

@@ -11,14 +11,13 @@ writes everything, with the machine and the versions, to ``--json`` (a bar chart
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import sys
 import time
 
+from ...machine import machine
 from ..lab import roofline
+from ..summary import write_report
 from . import engine_runner, hf_baseline, vllm_runner
 from .workload import COMPARISON_WORKLOADS, comparison_workloads, warmup_prompts
 
@@ -51,12 +50,6 @@ def _split(value: str, allowed, what: str) -> list[str]:
     return names
 
 
-def _cpuinfo(key: str) -> str | None:
-    if not os.path.exists("/proc/cpuinfo"):
-        return None
-    return next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith(key)), None)
-
-
 # One run against one run on these shared 2-core machines: ratios within 1.15x either way are not called a difference.
 DRIFT = 0.15
 
@@ -64,30 +57,6 @@ DRIFT = 0.15
 def beyond_drift(x: float, drift: float = DRIFT) -> int:
     """+1 when the ratio ``x`` is above ``1 + drift``, -1 when below ``1 / (1 + drift)``, 0 within (or nan)."""
     return 0 if x != x else 1 if x > 1 + drift else -1 if x < 1 / (1 + drift) else 0
-
-
-# Two VMs both reporting "AMD EPYC" can differ 2x in speed: the family and the vector units tell them apart.
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
-
-
-def machine() -> dict:
-    cpu = _cpuinfo("model name") or platform.processor()
-    flags = set((_cpuinfo("flags") or "").split())
-    import torch
-    import transformers
-    return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "cpu": cpu,
-            "cpu_family": _cpuinfo("cpu family"), "isa": [f for f in ISA_FLAGS if f in flags],
-            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": transformers.__version__}
-
-
-def describe_machine(m: dict) -> str:
-    """One line for a caption: ``AMD EPYC (family 25, AVX2, 2 cores)``; older records lack family and ISA."""
-    isa = m.get("isa")
-    vectors = None if isa is None else ("AVX-512" if "avx512f" in isa else "AVX2" if "avx2" in isa else "no AVX2")
-    details = [f"family {m['cpu_family']}" if m.get("cpu_family") else None, vectors,
-               f"{m['cores']} cores" if m.get("cores") else None]
-    return f"{m.get('cpu', 'an unnamed CPU')} ({', '.join(d for d in details if d)})"
 
 
 def agreement(ours: dict, other: list[list[int]]) -> dict:
@@ -231,9 +200,7 @@ def main(args, argv=None) -> int:
     report = run(args, argv)
     print(format_report(report))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
-        print(f"wrote {args.json}")
+        write_report(args.json, report)
     if args.plot:
         plot(report, args.plot)
         print(f"wrote {args.plot}")

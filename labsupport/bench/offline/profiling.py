@@ -48,8 +48,6 @@ def format_breakdown(b: dict) -> str:
 
 
 def main(args) -> int:
-    import json
-
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -80,8 +78,7 @@ def main(args) -> int:
         prof.export_chrome_trace(args.trace)
         print(f"wrote {args.trace} (open in https://ui.perfetto.dev)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"prompts": n, "input_len": n_in, "output_len": n_out, "wall_s": wall,
-                       "threads": torch.get_num_threads(), **breakdown}, f, indent=2)
-        print(f"wrote {args.json}")
+        from ..summary import write_report
+        write_report(args.json, {"prompts": n, "input_len": n_in, "output_len": n_out, "wall_s": wall,
+                                 "threads": torch.get_num_threads(), **breakdown})
     return 0

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from ..summary import percentile
+from ...percentiles import percentile
 from .serve_datasets import SampleRequest, arrival_times
 from .serve_metrics import scrape_server_metrics, server_metrics_delta
 

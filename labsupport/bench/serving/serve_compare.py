@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..summary import write_report
+
 ENGINES = ("ours", "ours-thread", "vllm")
 REPO = Path(__file__).resolve().parents[3]
 
@@ -192,7 +194,7 @@ def rounds_summary(rows: list[dict]) -> str:
 def measure(engines: list[str], quick: bool = False, folder: str | None = None, log=print, rounds: int = 0,
             only_rounds: bool = False) -> dict:
     from ...models.loader import prepare_default_model
-    from ..offline.compare import machine
+    from ...machine import machine
     folder = str(folder or prepare_default_model())
     loads, shape = (QUICK_LOADS, QUICK_GUIDELLM) if quick else (LOADS, GUIDELLM)
     from ...pd.cluster import stop_all
@@ -277,6 +279,5 @@ def main(args) -> int:
     report = measure(engines, args.quick, args.model, rounds=args.guidellm_rounds, only_rounds=args.only_guidellm_rounds)
     print(format_table(report))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}")
+        write_report(args.json, report)
     return 0

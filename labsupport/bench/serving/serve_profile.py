@@ -14,7 +14,6 @@ bucket, per thread.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -24,6 +23,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from .serve_compare import REPO, VllmBenchLoad, run_vllm_bench, start_server
+from ..summary import write_report
 
 LOAD = VllmBenchLoad("burst", 64, 256, 64)
 # (bucket, substrings of a frame that put a sample in it), checked in this order: the innermost cause first
@@ -150,7 +150,7 @@ def add_arguments(p: argparse.ArgumentParser):
 
 def main(args) -> int:
     from ...models.loader import prepare_default_model
-    from ..offline.compare import machine
+    from ...machine import machine
     folder = str(args.model or prepare_default_model())
     if os.geteuid() != 0:
         print("note: py-spy needs ptrace rights over the server (root, or kernel.yama.ptrace_scope=0)")
@@ -159,6 +159,5 @@ def main(args) -> int:
         report["results"][engine] = profile(engine, folder, args.seconds)
     print(format_profile(report))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}")
+        write_report(args.json, report)
     return 0

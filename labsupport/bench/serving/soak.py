@@ -31,6 +31,7 @@ import sys
 import time
 
 from . import soak_probes as probes
+from ..summary import write_report
 
 NAME = "smol"
 NUM_BLOCKS = 768  # 12,288 tokens: the long prompt (7,600) beside the live streams
@@ -147,9 +148,6 @@ def main(args) -> int:
     print("\nsoak details: " + json.dumps(result["details"], default=str))
     print(f"\nsoak figures after {result['seconds']:.0f} s (issue 41's targets):\n{text}")
     if args.json:
-        from ..offline.compare import machine
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine(), **result}, f, indent=2, default=str)
-        print(f"wrote {args.json}")
+        write_report(args.json, result)
     print("every target met" if all_met else "some targets MISSED", file=sys.stderr if not all_met else sys.stdout)
     return 0 if all_met else 1
