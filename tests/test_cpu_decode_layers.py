@@ -84,3 +84,36 @@ def test_a_replaced_weight_is_read_and_quantized_layers_keep_python(built, llm):
     quantized = LLM(model=llm.engine.model_path, device="cpu", quantization="int8", num_blocks=64)
     out = quantized.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0]
     assert len(out.token_ids) == 12 and quantized.engine.runner.executor.num_steps == 0
+
+
+def test_a_weight_and_a_module_replaced_after_the_first_step_are_used(built, llm):
+    """The kept weights are checked against where they are held, in this model only: replacing a weight the C++
+    layer reads and a whole ``o_proj`` module after a first run gives the Python layers' tokens and logprobs on
+    the new weights (which change the answer), still through the C++ layers; with nothing replaced, nothing is
+    read again. No hook is left with PyTorch for the whole process."""
+    import torch
+    from labsupport.models.llama import Linear
+    own = LLM(model=llm.engine.model_path, device="cpu", num_blocks=64)
+    runner, layers = own.engine.runner, own.engine.runner.executor
+    first = own.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0]
+    held = layers._held
+    assert own.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0].token_ids == first.token_ids
+    assert layers._held is held  # nothing replaced: the kept weights served the second run as they were
+    blocks = own.engine.model.model.layers
+    down = blocks[2].mlp.down_proj
+    down.weight = torch.nn.Parameter(down.weight.detach() * 2.0, requires_grad=False)
+    old = blocks[5].self_attn.o_proj
+    new = Linear(old.in_features, old.out_features, bias=False)
+    new.weight = torch.nn.Parameter(old.weight.detach().flip(0).contiguous(), requires_grad=False)
+    new.kernels = old.kernels  # the model's kernel set, as ``use_kernels`` gave the module it replaces
+    blocks[5].self_attn.o_proj = new
+    before = layers.num_steps
+    fast = own.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0]
+    assert layers.num_steps - before >= 11 and layers._held is not held  # read again, and run in C++
+    runner.executor = EagerStep(runner.model, runner.backend)  # the Python layers, on the same pools
+    slow = own.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0]
+    runner.executor = layers
+    assert fast.token_ids == slow.token_ids and fast.logprobs == slow.logprobs
+    assert fast.token_ids != first.token_ids  # the new weights are what answered
+    assert not torch.nn.modules.module._global_parameter_registration_hooks
+    assert not torch.nn.modules.module._global_module_registration_hooks

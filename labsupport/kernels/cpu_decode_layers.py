@@ -13,8 +13,9 @@ The Python model (``models/llama.py``) stays the one description of the layer; t
 it, for the steps where nothing else may need to see inside a layer, and it steps aside otherwise:
 
 * only decode-only steps of at most ``thin_rows()`` tokens (the products' thin kernel), float32;
-* only Llama/Qwen2 layers as loaded (stacked q/k/v and gate/up, plain ``Linear`` products; a Qwen3 q/k norm,
-  a quantized or replaced weight runs the Python layer);
+* only Llama/Qwen2 layers as loaded (stacked q/k/v and gate/up, plain ``Linear`` products; a Qwen3 q/k norm, a
+  quantized module or a q/k/v or gate/up weight replaced apart from its stack runs the Python layer, and any
+  other weight or module replaced is read again before the next step: ``held_by``);
 * only with the engine's own pieces: the C++ decode kernel, no KV connector (chapter 07's per-layer hooks),
   no attention function plugged in by an exercise;
 * ``enforce_eager=True`` turns it off, as it turns CUDA graphs off on a GPU.
@@ -33,12 +34,6 @@ from ..models.llama import LlamaForCausalLM, Linear, stacked_current
 
 _module = None
 _why_not: str | None = None
-_generation = 0  # bumped by PyTorch whenever a module registers a parameter or a submodule: a weight or layer replaced
-
-
-def _bump(*_):
-    global _generation
-    _generation += 1
 
 
 def available() -> tuple[bool, str]:
@@ -58,16 +53,12 @@ class CpuDecodeLayers(EagerStep):
     ``thin_rows()`` tokens one C++ call per layer, any other step through the Python layers. Built only where
     the layer applies to the model and its pools at all (``applies``, asked once by ``engine/build.py``)."""
 
-    _watching = False
-
     def __init__(self, model: LlamaForCausalLM, backend):
         super().__init__(model, backend)
         self.num_steps = 0  # steps run here (the rest ran the Python layers)
-        self._layers, self._generation = None, -1  # each layer's weights, as of this registration generation
-        if not CpuDecodeLayers._watching:  # reading every layer's weights through their modules costs time each
-            CpuDecodeLayers._watching = True  # step: read them again only after something was replaced
-            torch.nn.modules.module.register_module_parameter_registration_hook(_bump)
-            torch.nn.modules.module.register_module_module_registration_hook(_bump)
+        # Reading every layer's weights through their modules costs time each step, so they are kept, with where
+        # they were read from (``held_by``), and read again only once one of those places holds something else.
+        self._layers, self._held = None, None
 
     @staticmethod
     def applies(model: LlamaForCausalLM, backend) -> bool:
@@ -108,8 +99,8 @@ class CpuDecodeLayers(EagerStep):
     def run_layers(self, token_ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor | None:
         """The hidden states of the step, as ``LlamaForCausalLM.forward`` gives them, or None (nothing run,
         nothing written) where a layer is not as loaded: the caller runs the Python layers."""
-        if self._generation != _generation:  # a weight or a module replaced since (quantized, say): look again
-            self._generation = _generation
+        if self._held is None or any(place.get(name) is not obj for place, name, obj in self._held):
+            self._held = held_by(self.model.model.layers)  # a weight or a module replaced (quantized, say): look again
             layers = [(layer.self_attn.layer, self.layer_weights(layer)) for layer in self.model.model.layers]
             self._layers = None if any(w is None for _, w in layers) else layers  # its pools' index, its weights
         if self._layers is None:
@@ -123,3 +114,21 @@ class CpuDecodeLayers(EagerStep):
                                      rows.block_tables, rows.context_lens, be.block_size)
         self.num_steps += 1
         return self.model.model.norm(x)
+
+
+def held_by(layers: torch.nn.ModuleList) -> tuple[tuple[dict, str, object], ...]:
+    """Where the layers' weights are held, as ``(dict, name, object)``: every parameter and submodule entry of every
+    module of the layers (and the list's own entries), and the stacked q/k/v and gate/up matrices.
+
+    Replacing a weight or a module (``linear.weight = Parameter(...)``, ``quantize_model``, an exercise's piece)
+    puts something else in one of these entries, which a step sees by identity in one pass over them, without
+    reading a weight. Scoped to this model: nothing is registered with PyTorch. A change in place
+    (``weight.mul_(2)``) changes no entry and needs none: the C++ reads the same tensor."""
+    held = [(layers._modules, name, layer) for name, layer in layers._modules.items()]
+    for layer in layers:
+        for module in layer.modules():
+            held += [(entries, name, obj) for entries in (module._parameters, module._modules)
+                     for name, obj in entries.items()]
+        attn, mlp = layer.self_attn, layer.mlp
+        held += [(attn.__dict__, "qkv", attn.qkv), (mlp.__dict__, "gate_up", mlp.gate_up)]
+    return tuple(held)
