@@ -1,7 +1,9 @@
-"""Helpers for the server tests (``test_server.py``, ``test_api_*.py``): a real loopback server, real HTTP."""
+"""Helpers for the server tests (``test_server.py``, ``test_api_*.py``): a real loopback server, real HTTP; and
+the model-free stand-in workers the router tests put behind chapter 07's router (``stand_in_worker``)."""
 import time
 
 import httpx
+from fastapi import FastAPI, Request
 
 QUESTION = [{"role": "user", "content": "Name a fruit that is yellow."}]
 LONG = {"model": "smol", "messages": QUESTION, "max_tokens": 400, "ignore_eos": True}  # outlives any test step
@@ -60,3 +62,22 @@ def wait_metrics_free(srv, llm, timeout=20) -> dict[str, float]:
     assert m["labsupport:num_requests_running"] == m["labsupport:num_requests_waiting"] == 0
     wait_idle_and_free(llm, timeout=5)
     return m
+
+
+def stand_in_worker(complete, paths=("/v1/completions",)) -> FastAPI:
+    """A worker as the router sees one, without a model: ``GET /health`` answers ok, and a ``POST`` to each of
+    ``paths`` answers ``await complete(body, request)`` (a dict for JSON, or a response: a stream, an error).
+    What a test's worker does differently (record what it was sent, answer late, prefill by the clock) is
+    ``complete``'s alone."""
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    async def answer(request: Request):
+        return await complete(await request.json(), request)
+
+    for path in paths:
+        app.post(path)(answer)
+    return app

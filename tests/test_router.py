@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
-from server_tools import QUESTION, assert_openai_error, server_metrics
+from server_tools import QUESTION, assert_openai_error, server_metrics, stand_in_worker
 from waiting import wait_until
 
 from labsupport.pd.router import PREFILL_KV_PARAMS
@@ -126,16 +126,7 @@ SSE = b'data: {"choices": [{"text": " decoded"}]}\n\ndata: [DONE]\n\n'
 def recording_worker(seen: list, mode: dict) -> FastAPI:
     """A stand-in that records what it receives: prefill answers ``kv_transfer_params`` (or, per
     ``mode["prefill"]``, an error or nothing), decode answers JSON or a fixed SSE stream."""
-    app = FastAPI()
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.post("/v1/completions")
-    @app.post("/v1/chat/completions")
-    async def complete(request: Request):
-        body = await request.json()
+    async def complete(body, request):
         seen.append({"headers": dict(request.headers), "body": body})
         if body.get("kv_transfer_params", {}).get("do_remote_decode"):  # a prefill request
             if mode.get("prefill") == "error":
@@ -147,7 +138,7 @@ def recording_worker(seen: list, mode: dict) -> FastAPI:
             return StreamingResponse(iter([SSE]), media_type="text/event-stream")
         return {"choices": [{"text": " decoded"}]}
 
-    return app
+    return stand_in_worker(complete, paths=("/v1/completions", "/v1/chat/completions"))
 
 
 def test_pd_wire_format_with_stand_ins():
@@ -220,15 +211,9 @@ def slow_worker(seen: dict) -> FastAPI:
     """A stand-in that streams an event every 50 ms for a minute, or answers JSON after a minute;
     ``seen`` counts plain requests and records each stream's end (a client hanging up ends it early)."""
     import asyncio
-    app = FastAPI()
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.post("/v1/completions")
-    async def complete(request: Request):
-        if not (await request.json()).get("stream"):
+    async def complete(body, request):
+        if not body.get("stream"):
             seen["plain"] += 1
             await asyncio.sleep(60)
             return {"choices": [{"text": "late"}]}
@@ -242,7 +227,7 @@ def slow_worker(seen: dict) -> FastAPI:
                 seen["ended"].append(time.time())
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    return app
+    return stand_in_worker(complete)
 
 
 def test_shutdown_ends_streams_and_requests_in_flight_with_an_error():

@@ -205,15 +205,14 @@ def direct_put(loop, items):
         stream.put(index, item)
 
 
-def planted_streams(reference, mistake):
-    """The reference stream and deliver with one mistake; returns (stream_class, deliver)."""
+def reads_a_blocking_queue(stream_class, close_on_error: bool = False):
+    """``stream_class`` with its outputs in a thread-safe ``queue.Queue`` read with a blocking ``get``: a reader
+    that holds the event loop while it waits. Fed from the engine thread (``direct_put``) it stalls the loop until
+    the next step's output; fed by deliver's callback, which needs that loop, nothing ever arrives (until the
+    check puts the shutdown's error into it directly). ``close_on_error``: close the stream before raising."""
     import queue
 
-    stream_class, deliver = reference
-
-    class BlocksTheLoop(stream_class):
-        """A thread-safe queue fed straight from the engine thread, read with a blocking get."""
-
+    class ReadsABlockingQueue(stream_class):
         def __init__(self, abort, request_ids):
             super().__init__(abort, request_ids)
             self._queue = queue.Queue()
@@ -224,13 +223,20 @@ def planted_streams(reference, mistake):
         async def __anext__(self):
             if not self.unfinished:
                 raise StopAsyncIteration
-            index, item = self._queue.get()            # blocks the event loop until the next step's output
+            index, item = self._queue.get()            # the mistake under test: a blocking wait on the loop
             if isinstance(item, BaseException):
-                self.close()
+                if close_on_error:
+                    self.close()
                 raise item
             if item.finished:
                 self.unfinished.discard(index)
             return {index: item}
+    return ReadsABlockingQueue
+
+
+def planted_streams(reference, mistake):
+    """The reference stream and deliver with one mistake; returns (stream_class, deliver)."""
+    stream_class, deliver = reference
 
     class LosesTheAbort(stream_class):
         def close(self):
@@ -251,7 +257,8 @@ def planted_streams(reference, mistake):
             if not isinstance(item, BaseException):    # drops the shutdown's error: the reader waits forever
                 super().put(index, item)
 
-    return {"blocks the loop": (BlocksTheLoop, direct_put), "loses the abort": (LosesTheAbort, deliver),
+    return {"blocks the loop": (reads_a_blocking_queue(stream_class, close_on_error=True), direct_put),
+            "loses the abort": (LosesTheAbort, deliver),
             "misses the wake-up": (stream_class, direct_put), "never ends": (NeverEnds, deliver),
             "swallows errors": (SwallowsErrors, deliver)}[mistake]
 
@@ -288,33 +295,7 @@ def _polls_with_sleep(stream_class):
     return PollsWithSleep
 
 
-def _blocks_on_its_queue(stream_class):
-    import queue
-
-    class BlocksOnItsQueue(stream_class):
-        """A thread-safe queue filled by deliver's callback on the loop, read with a blocking get on the loop:
-        nothing can ever arrive (until the check puts the shutdown's error into it directly)."""
-
-        def __init__(self, abort, request_ids):
-            super().__init__(abort, request_ids)
-            self._queue = queue.Queue()
-
-        def put(self, index, item):
-            self._queue.put((index, item))
-
-        async def __anext__(self):
-            if not self.unfinished:
-                raise StopAsyncIteration
-            index, item = self._queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                self.unfinished.discard(index)
-            return {index: item}
-    return BlocksOnItsQueue
-
-
-@pytest.mark.parametrize("planted", [_polls_with_sleep, _blocks_on_its_queue])
+@pytest.mark.parametrize("planted", [_polls_with_sleep, reads_a_blocking_queue])
 def test_a_reader_stuck_in_anext_is_freed_and_leaves_no_thread(reference_streams, llm, monkeypatch, planted):
     import threading
     from labsupport.checks import serving

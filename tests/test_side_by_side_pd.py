@@ -9,7 +9,7 @@ import os
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request
+from server_tools import stand_in_worker
 
 from labsupport.pd.router_app import create_router_app
 from labsupport.serve.background import BackgroundServer
@@ -57,20 +57,13 @@ def test_greedy_tokens_without_vllm_says_why(monkeypatch):
     assert offline.greedy_tokens("/nonexistent", [[1, 2, 3]], 4) == {"skipped": "run `make vllm`"}
 
 
-def stand_in(seen: list) -> FastAPI:
+def stand_in(seen: list):
     """Answers as ExampleConnector's vLLM does: ``kv_transfer_params: null`` on every completion."""
-    app = FastAPI()
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.post("/v1/completions")
-    async def complete(request: Request):
-        seen.append(await request.json())
+    async def complete(body, request):
+        seen.append(body)
         return {"choices": [{"text": " decoded"}], "kv_transfer_params": None}
 
-    return app
+    return stand_in_worker(complete)
 
 
 def test_router_kv_params_optional_passes_null_params_on():

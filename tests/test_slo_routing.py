@@ -3,7 +3,6 @@ mistake, and ``routing.SLOAware`` plugs such a function into chapter 07's router
 shed request answered 429 at once)."""
 import httpx
 import pytest
-from fastapi import FastAPI, Request
 
 from labsupport import checks
 from labsupport.pd.router_app import create_router_app
@@ -11,6 +10,7 @@ from labsupport.pd.routing import SLOAware, Shed, WorkerLoad, prompt_tokens
 from labsupport.serve.background import BackgroundServer
 
 from notebook_tools import chapter, exercise_solutions
+from server_tools import stand_in_worker
 
 
 @pytest.fixture(scope="module")
@@ -95,23 +95,12 @@ def test_slo_aware_policy_books_prompt_tokens_until_the_request_ends_and_sheds_w
     assert policy.choose(["a", "b"], body) == "a"
 
 
-def stand_in_worker():
-    app = FastAPI()
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await request.json()
-        return {"choices": [{"text": f"{len(body['prompt'])} tokens", "index": 0}]}
-
-    return app
+async def counts_the_prompt(body, request):
+    return {"choices": [{"text": f"{len(body['prompt'])} tokens", "index": 0}]}
 
 
 def test_router_serves_what_the_policy_picks_and_answers_429_when_it_sheds(reference):
-    with BackgroundServer(stand_in_worker()) as w:
+    with BackgroundServer(stand_in_worker(counts_the_prompt)) as w:
         policy = SLOAware(reference, slo_ttft_s=1.0, s_per_token={w.url: 0.002})
         with BackgroundServer(create_router_app(instances=[w.url], policy=policy, health_interval=0.2)) as r:
             ok = httpx.post(r.url + "/v1/completions", json={"model": "smol", "prompt": list(range(400))}, timeout=10)
@@ -133,15 +122,9 @@ def prefilling_worker(s_per_token):
 
     from fastapi.responses import StreamingResponse
 
-    app, lock = FastAPI(), asyncio.Lock()
+    lock = asyncio.Lock()
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await request.json()
+    async def completions(body, request):
         n, out = len(body["prompt"]), body["max_tokens"]
 
         async def events():
@@ -154,7 +137,7 @@ def prefilling_worker(s_per_token):
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    return app
+    return stand_in_worker(completions)
 
 
 class Vocabulary:
