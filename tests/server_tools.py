@@ -1,9 +1,8 @@
 """Helpers for the server tests (``test_server.py``, ``test_api_*.py``): a real loopback server, real HTTP; and
 the model-free stand-in workers the router tests put behind chapter 07's router (``stand_in_worker``)."""
-import time
-
 import httpx
 from fastapi import FastAPI, Request
+from waiting import wait_until
 
 QUESTION = [{"role": "user", "content": "Name a fruit that is yellow."}]
 LONG = {"model": "smol", "messages": QUESTION, "max_tokens": 400, "ignore_eos": True}  # outlives any test step
@@ -16,12 +15,13 @@ def post(srv, body, path="/v1/chat/completions", **kw):
 def wait_idle_and_free(llm, timeout=20):
     """Every request gone and every KV block back (cached blocks count as free: they are reclaimable),
     nothing left in the engine's per-request tables."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+    def idle_and_free():
         s = llm.stats()
-        if not (s["num_requests_running"] or s["num_requests_waiting"]) and s["kv_blocks_free"] == s["kv_blocks_total"]:
-            break
-        time.sleep(0.05)
+        return not (s["num_requests_running"] or s["num_requests_waiting"]) and s["kv_blocks_free"] == s["kv_blocks_total"]
+    try:
+        wait_until(idle_and_free, timeout=timeout, interval=0.05)
+    except AssertionError:
+        pass  # the assertions below say which figure is off
     s = llm.stats()
     assert s["num_requests_running"] == s["num_requests_waiting"] == 0
     assert s["kv_blocks_free"] == s["kv_blocks_total"]
@@ -51,13 +51,14 @@ def wait_metrics_free(srv, llm, timeout=20) -> dict[str, float]:
     """Poll ``/metrics`` until no request runs or waits and ``labsupport:kv_cache_free_blocks`` is the whole pool
     (the engine loop handles aborts at its next iteration); then check the engine itself agrees."""
     total = llm.stats()["kv_blocks_total"]
-    deadline = time.time() + timeout
-    while True:
+    def idle_and_free():
         m = server_metrics(srv)
         idle = m["labsupport:num_requests_running"] == m["labsupport:num_requests_waiting"] == 0
-        if (idle and m["labsupport:kv_cache_free_blocks"] == total) or time.time() > deadline:
-            break
-        time.sleep(0.05)
+        return m if idle and m["labsupport:kv_cache_free_blocks"] == total else None
+    try:
+        m = wait_until(idle_and_free, timeout=timeout, interval=0.05)
+    except AssertionError:
+        m = server_metrics(srv)  # the assertions below say which figure is off
     assert m["labsupport:kv_cache_free_blocks"] == total, (m["labsupport:kv_cache_free_blocks"], total)
     assert m["labsupport:num_requests_running"] == m["labsupport:num_requests_waiting"] == 0
     wait_idle_and_free(llm, timeout=5)

@@ -17,7 +17,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from server_tools import QUESTION, assert_openai_error, server_metrics, stand_in_worker
-from waiting import wait_until
+from waiting import wait_healthy, wait_until
 
 from labsupport.pd.router import PREFILL_KV_PARAMS
 from labsupport.pd.router_app import create_router_app
@@ -42,16 +42,8 @@ class ServeProcess:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     def wait_ready(self, timeout=180):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            assert self.proc.poll() is None, "the worker exited while starting"
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.url} did not become healthy")
+        wait_healthy(self.url, timeout=timeout, proc=self.proc)
+        return self
 
     def kill(self):
         if self.proc.poll() is None:
@@ -191,12 +183,8 @@ def test_cli_router_starts_and_exits_0_on_sigterm(capsys):
         proc = subprocess.Popen([sys.executable, "-m", "labsupport", "router", "--instances", w.url,
                                  "--port", str(port), "--log-level", "warning"])
         try:
-            deadline, health = time.time() + 60, None
-            while health is None and time.time() < deadline:
-                try:
-                    health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).json()
-                except httpx.TransportError:
-                    time.sleep(0.2)
+            wait_healthy(f"http://127.0.0.1:{port}", timeout=60, proc=proc)
+            health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()
             assert health == {"status": "ok", "workers": {w.url: {"role": "instance", "healthy": True}}}
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=30) == 0
