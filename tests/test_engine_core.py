@@ -137,7 +137,7 @@ def drive(s, runner, requests, max_steps=2000, check=None):
         if not s.has_unfinished():
             return
         out = s.schedule()
-        s.update_from_output(out, runner.execute(out))
+        s.lifecycle.update_from_output(out, runner.execute(out))
         if check is not None:
             check()
 
@@ -160,7 +160,7 @@ def run_workload(s, kv, runner, specs, max_steps=3000):
             s.add_request(req)
         for req in requests:
             if specs[int(req.request_id[1:])][6] == step and not req.is_finished:
-                s.finish(req, "abort")
+                s.lifecycle.finish(req, "abort")
                 aborted.add(req.request_id)
         if not s.has_unfinished() and not pending:
             break
@@ -171,7 +171,7 @@ def run_workload(s, kv, runner, specs, max_steps=3000):
         assert len(out.requests) == 1 or out.total_tokens <= cfg.max_num_batched_tokens
         if cfg.scheduling_policy == "continuous" and cfg.enable_chunked_prefill:
             assert out.total_tokens <= cfg.max_num_batched_tokens
-        s.update_from_output(out, runner.execute(out))
+        s.lifecycle.update_from_output(out, runner.execute(out))
         check_invariants(s, kv, runner, requests)
     else:
         raise AssertionError(f"not finished after {max_steps} steps")

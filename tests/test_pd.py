@@ -52,8 +52,8 @@ def settle(llm, timeout=10.0):
 
 
 def all_free(llm):
-    s = llm.stats()
-    return s["kv_blocks_free"] == s["kv_blocks_total"] and not llm.engine.scheduler.held and not llm.engine.scheduler.loading
+    s, queues = llm.stats(), llm.engine.scheduler.queues
+    return s["kv_blocks_free"] == s["kv_blocks_total"] and not queues.held and not queues.loading
 
 
 def test_pack_unpack_moves_blocks_between_different_ids():
@@ -146,7 +146,7 @@ def test_aborting_a_request_while_its_kv_loads_frees_its_blocks_after_the_load(p
     req = decode.engine.add_request(decode.tokenize(PROMPT)[0],
                                     SamplingParams(max_tokens=8, kv_transfer_params=pre.kv_transfer_params, **GREEDY))
     decode.engine.step()  # parks it and starts the pull
-    assert req.request_id in decode.engine.scheduler.loading
+    assert req.request_id in decode.engine.scheduler.queues.loading
     decode.engine.abort(req)
     settle(decode)
     settle(prefill)

@@ -175,7 +175,7 @@ def test_prompt_logprobs_in_chunks_skip_the_prefix_cache(request, options):
 def test_stop_token_ids_and_min_tokens(llm):
     greedy = llm.chat(CHAT, SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0]
     eos, n = greedy.token_ids[-1], len(greedy.token_ids)
-    assert greedy.finish_reason == "stop" and eos in llm.engine.scheduler.eos_token_ids
+    assert greedy.finish_reason == "stop" and eos in llm.engine.scheduler.lifecycle.eos_token_ids
     stop_at = next(i for i, t in enumerate(greedy.token_ids[:-1]) if i >= 1 and t not in greedy.token_ids[:i])
     stop = greedy.token_ids[stop_at]
     by_token, held_eos, held_stop = llm.chat([CHAT] * 3, [

@@ -231,14 +231,137 @@ def test_the_engine_imports_no_layer_built_on_it():
     assert not leaks, f"engine modules importing the layers above them: {leaks}"
 
 
-def test_no_class_inherits_the_plug_points_mixin():
+def test_no_class_inherits_a_replaced_mixin():
     """Plug points are declared by each component (``PLUG_POINTS``) and gathered by a ``PlugRegistry`` the engine
-    holds; a mixin that reads its host's attributes is what that replaced."""
-    mixins = {"PlugPoints"}
+    holds; the lifecycle is a component the scheduler owns (``scheduler.lifecycle``), sharing ``RequestQueues``.
+    A mixin that reads its host's attributes is what both replaced."""
+    mixins = {"PlugPoints", "RequestLifecycle"}
     found = sorted(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}" for path in MODULES.values()
                    for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
                    for base in node.bases if isinstance(base, ast.Name) and base.id in mixins)
     assert not found, f"classes inheriting a mixin: {found}"
+
+
+# ---------------------------------------------------------------------- no class reads its host's attributes
+
+BASES_WITHOUT_ATTRIBUTES = {"object", "ABC", "abc.ABC"}
+
+
+def _methods(cls: ast.ClassDef):
+    """(method, the name its first parameter gives the instance or class) for each method that has one."""
+    for fn in cls.body:
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.args.args and not any(
+                isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list):
+            yield fn, fn.args.args[0].arg
+
+
+def attributes_set_by(cls: ast.ClassDef) -> set[str]:
+    """What the class itself gives its instances: methods, class attributes (dataclass fields, properties), and
+    every ``self.x = ...`` (or ``del``, or ``setattr(self, "x", ...)``) in its methods."""
+    names = {node.name for node in cls.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    for node in cls.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    for fn, me in _methods(cls):
+        for n in ast.walk(fn):
+            if (isinstance(n, ast.Attribute) and isinstance(n.ctx, (ast.Store, ast.Del))
+                    and isinstance(n.value, ast.Name) and n.value.id == me):
+                names.add(n.attr)
+            elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "setattr"
+                  and len(n.args) >= 2 and isinstance(n.args[0], ast.Name) and n.args[0].id == me
+                  and isinstance(n.args[1], ast.Constant)):
+                names.add(n.args[1].value)
+    return names
+
+
+def attributes_read_but_never_set(trees: dict[str, ast.Module]) -> list[str]:
+    """``file:line Class.attr`` for every ``self.attr`` a method reads that neither the class nor its bases in
+    ``trees`` set: an attribute it expects the class it is mixed into (or a subclass) to have. A class with a
+    base from outside (``nn.Module``, ``Exception``, ...) or a ``__getattr__`` is not judged: its attributes
+    cannot be read from this source."""
+    classes: dict[str, list[ast.ClassDef]] = {}
+    where: dict[int, str] = {}
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).append(node)
+                where[id(node)] = name
+
+    def known(cls: ast.ClassDef, seen: frozenset = frozenset()) -> set[str] | None:
+        names = attributes_set_by(cls)
+        for base in cls.bases:
+            base_name = ast.unparse(base.value if isinstance(base, ast.Subscript) else base)
+            if base_name in BASES_WITHOUT_ATTRIBUTES:
+                continue
+            if len(classes.get(base_name, [])) != 1 or base_name in seen:
+                return None  # from outside, or ambiguous
+            inherited = known(classes[base_name][0], seen | {cls.name})
+            if inherited is None:
+                return None
+            names |= inherited
+        return names
+
+    found = []
+    for defs in classes.values():
+        for cls in defs:
+            names = known(cls)
+            if names is None or "__getattr__" in names:
+                continue
+            for fn, me in _methods(cls):
+                found += [f"{where[id(cls)]}:{n.lineno} {cls.name}.{n.attr}" for n in ast.walk(fn)
+                          if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load) and isinstance(n.value, ast.Name)
+                          and n.value.id == me and n.attr not in names and not n.attr.startswith("__")]
+    return sorted(found)
+
+
+def test_no_class_reads_attributes_it_never_sets():
+    """Every attribute a class reads on ``self`` is set by the class or a base: its dependencies are in its own
+    ``__init__`` (``RequestLifecycle(queues, kv, ...)``), not attributes of whatever class it is mixed into."""
+    trees = {path.relative_to(ROOT).as_posix(): ast.parse(path.read_text()) for path in MODULES.values()}
+    found = attributes_read_but_never_set(trees)
+    assert not found, f"attributes read on self but set nowhere in the class or its bases (a mixin?): {found}"
+
+
+def test_the_attribute_finder_sees_a_mixin_and_not_a_component():
+    """The finder above on known code: a mixin reading its host's ``running`` is found (its host setting it does
+    not help); the same logic as a component handed ``running`` in ``__init__`` is not, nor a property, a class
+    attribute, an inherited attribute, ``setattr``, or a class with a base from outside."""
+    source = """
+class Mixin:
+    def finish(self, req):
+        self.running.remove(req)
+
+class Host(Mixin):
+    def __init__(self):
+        self.running = []
+
+class Component:
+    def __init__(self, running):
+        self.running = running
+    def finish(self, req):
+        self.running.remove(req)
+        return self.size, self.depth
+
+    @property
+    def size(self):
+        return len(self.running)
+
+    depth: int = 0
+
+class Child(Component):
+    def __init__(self):
+        super().__init__([])
+        setattr(self, "label", "x")
+    def first(self):
+        return self.running[0], self.label
+
+class Layer(nn.Module):
+    def forward(self, x):
+        return self.weight @ x
+"""
+    found = attributes_read_but_never_set({"example.py": ast.parse(source)})
+    assert found == ["example.py:4 Mixin.running"], found
 
 
 def test_plug_code_writes_no_instance_dict_directly():

@@ -107,7 +107,7 @@ def _run(admit_fn, name, options, arrivals, max_steps=300):
             raise CheckFailed(f"[{name}] {_hint(step, diff, got, want, req, ref, got_out.prefix_hit_tokens)} (the step's batch: yours "
                               f"{ {k: v[0] for k, v in got.items()} }, the engine's { {k: v[0] for k, v in want.items()} })")
         for s, out in ((ref, want_out), (yours, got_out)):
-            s.update_from_output(out, ModelRunnerOutput([7] * len(out.requests)))
+            s.lifecycle.update_from_output(out, ModelRunnerOutput([7] * len(out.requests)))
     else:
         raise CheckFailed(f"[{name}] the requests did not finish in {max_steps} steps")
     if yours.has_unfinished() or yours.kv.allocator.num_free != options["num_blocks"]:

@@ -201,7 +201,7 @@ def _settle(llm, timeout):
 
 def _idle(llm):
     s, sched = llm.stats(), llm.engine.scheduler
-    return s["kv_blocks_free"] == s["kv_blocks_total"] and not sched.held and not sched.loading
+    return s["kv_blocks_free"] == s["kv_blocks_total"] and not sched.queues.held and not sched.queues.loading
 
 
 def require_idle_pair(prefill_llm, decode_llm, before: str):

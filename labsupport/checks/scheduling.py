@@ -64,7 +64,8 @@ def _simulate(schedule_fn, name, max_seqs, budget, num_blocks, block_size, arriv
                 raise  # a bug inside the attendee's function: show its own traceback
             _fail(name, step, str(exc))
         _check_step(s, batch, name, step, running_before, waiting_before, remaining)
-        s.update_from_output(batch, ModelRunnerOutput([0] * len(batch.requests)))  # the model's part: token 0 for everyone
+        # the model's part: token 0 for everyone
+        s.lifecycle.update_from_output(batch, ModelRunnerOutput([0] * len(batch.requests)))
     else:
         stuck = [r.request_id for r in requests if not r.is_finished]
         raise CheckFailed(f"[{name}] after {max_steps} steps {stuck} have still not finished: starvation")

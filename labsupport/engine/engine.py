@@ -1,9 +1,9 @@
 """LLMEngine: one loop tells the whole story. ``step()`` = schedule -> run -> update -> detokenize.
 
 The scheduler decides what runs and owns every request's state; the runner turns its decision
-into one forward pass and one sampled token per sequence; ``update_from_output`` moves the
-requests forward and frees the finished; the detokenizers turn new tokens into new text and
-find stop strings. ``last_step`` is the step's ``SchedulerOutput``, the engine's own record.
+into one forward pass and one sampled token per sequence; the scheduler's lifecycle
+(``scheduler.lifecycle.update_from_output``) moves the requests forward and frees the finished;
+the detokenizers turn new tokens into new text and find stop strings. ``last_step`` is the step's ``SchedulerOutput``, the engine's own record.
 
 A step that raises (a bug, or an attendee's plugged-in function) fails only the requests it
 touched (finish reason ``"error"``, memory freed), then re-raises: the engine keeps serving.
@@ -63,8 +63,8 @@ class LLMEngine:
         self.speculator = (build.speculator(self.config, self.kv, self.backend, self.runner.sampler, self.model,
                                             self.draft_model, self.device)
                            if self.config.speculative_config else None)  # chapter 09
-        self.structured_outputs = self.runner.sampler.structured = StructuredOutputs(
-            self.tokenizer, self.model.config.vocab_size, self.scheduler.eos_token_ids)  # grammars compile on first use
+        self.structured_outputs = self.runner.sampler.structured = StructuredOutputs(  # grammars compile on first use
+            self.tokenizer, self.model.config.vocab_size, self.scheduler.lifecycle.eos_token_ids)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         # what a chapter may change on this live engine (plug_points.py); the runner's one point is the acceptance
         # rule of speculative decoding, a point only where a speculator runs
@@ -106,7 +106,7 @@ class LLMEngine:
             if params.n > self.config.max_num_seqs:
                 raise ValueError(f"n={params.n} samples need as many sequence slots: max_num_seqs is "
                                  f"{self.config.max_num_seqs}")
-        req = Request(prompt_token_ids, params, request_id, prompt, cache_salt, self.scheduler.eos_token_ids)
+        req = Request(prompt_token_ids, params, request_id, prompt, cache_salt, self.scheduler.lifecycle.eos_token_ids)
         if params.structured_outputs is not None:  # compiled here, in the engine: a failure is this request's error
             self.structured_outputs.add(req)
         if self.config.detokenize:
@@ -179,7 +179,7 @@ class LLMEngine:
             if not out.requests:
                 return []
             sampled = self.runner.execute(out)                            # mechanism: one forward pass
-            got_token = self.scheduler.update_from_output(out, sampled)  # the one writer of request state
+            got_token = self.scheduler.lifecycle.update_from_output(out, sampled)  # bookkeeping: requests move on
             if self.config.detokenize:
                 self.detokenize(got_token, out)                           # new text, stop strings
             else:                                                         # the caller detokenizes (serve/core_client.py)
@@ -187,7 +187,8 @@ class LLMEngine:
                     if req.is_finished:
                         self._forget(req)
             if self.speculator is not None:                               # chapter 09: the next guesses
-                self.speculator.propose([r for r in got_token if not r.is_finished], self.scheduler.longest)
+                self.speculator.propose([r for r in got_token if not r.is_finished],
+                                        self.scheduler.lifecycle.longest)
         except BaseException as exc:
             self._fail_step(out, exc)
             raise
@@ -206,10 +207,10 @@ class LLMEngine:
             cut = catch_up(detok, req.output_token_ids, req.num_new_output_tokens, req.is_finished, req.finish_reason)
             stopped = cut is not None
             if stopped:
-                self.scheduler.drop_tokens_after(req, cut)
+                self.scheduler.lifecycle.drop_tokens_after(req, cut)
             req.text = detok.text  # the engine owns detokenization: the text is the detokenizer's, as it stands
             if stopped and not req.is_finished:
-                self.scheduler.finish(req, "stop")
+                self.scheduler.lifecycle.finish(req, "stop")
                 out.finished.append(req)
             if req.is_finished:
                 self._forget(req)
@@ -232,7 +233,7 @@ class LLMEngine:
         """Finish requests now (a client went away, ``generate`` was interrupted): their memory is freed."""
         for req in [*requests, *(sample for r in requests for sample in r.samples)]:  # n > 1: its samples too
             if not req.is_finished:
-                self.scheduler.finish(req, reason)
+                self.scheduler.lifecycle.finish(req, reason)
             self._forget(req)
 
     def abort(self, req: Request):
@@ -248,7 +249,8 @@ class LLMEngine:
             return
         self.is_shut_down = True
         try:
-            self.abort_requests([*self.scheduler.running, *self.scheduler.waiting, *self.scheduler.loading.values()])
+            queues = self.scheduler.queues
+            self.abort_requests([*queues.running, *queues.waiting, *queues.loading.values()])
         finally:  # even if a plugged piece raised while freeing: the memory goes
             if self.connector is not None:
                 self.connector.close()  # no more pulls of this pool
@@ -285,7 +287,8 @@ class LLMEngine:
                              samples=[LLMEngine.output(sample) for sample in req.samples])
 
     def stats(self) -> dict:
-        pd = {} if self.connector is None else {**self.connector.counters, "kv_requests_held": len(self.scheduler.held),
-                                                "kv_requests_loading": len(self.scheduler.loading)}
+        queues = self.scheduler.queues
+        pd = {} if self.connector is None else {**self.connector.counters, "kv_requests_held": len(queues.held),
+                                                "kv_requests_loading": len(queues.loading)}
         return {**self.kv.stats(), **self.scheduler.stats(), "num_steps": self.num_steps, **pd}
 

@@ -1,26 +1,35 @@
 """What a step did to its requests, and how they leave: the bookkeeping half of the scheduler.
 
-``Scheduler`` (``scheduler.py``) is policy: who runs next and how many tokens each feeds. This is its
-base class, the one place a request's state moves forward once the model has run
-(``update_from_output``: computed tokens, the new token or tokens, full blocks offered to the prefix
-cache, ``n > 1`` samples forked from the computed prompt), where it stops (EOS, stop tokens,
-``max_tokens``, the context) and where it leaves with its memory freed (``finish``). Chapter 07's KV
-connector adds the two other ways a request's blocks change hands: its prompt KV pulled from another
-engine (``start_remote_load``, then ``poll_connector`` when it landed) and its blocks held after it
-finished until another engine has pulled them. vLLM keeps both halves in one ``Scheduler`` class
-(``v1/core/sched/scheduler.py``: ``update_from_output``, ``_update_waiting_for_remote_kv``); here they
-are split so each file holds one idea. ``SchedulerOutput``, the record of one step that both halves
-read and write, lives here, in the lower of the two files (``scheduler.py`` imports it from here).
+``Scheduler`` (``scheduler.py``) is policy: who runs next and how many tokens each feeds. ``RequestLifecycle``
+is the component it owns for the rest: the one place a request's state moves forward once the model has run
+(``update_from_output``: computed tokens, the new token or tokens, full blocks offered to the prefix cache,
+``n > 1`` samples forked from the computed prompt), where it stops (EOS, stop tokens, ``max_tokens``, the
+context) and where it leaves with its memory freed (``finish``). Chapter 07's KV connector adds the two other
+ways a request's blocks change hands: its prompt KV pulled from another engine (``start_remote_load``, then
+``poll_connector`` when it landed) and its blocks held after it finished until another engine has pulled them.
+
+vLLM keeps both halves in one ``Scheduler`` class (``v1/core/sched/scheduler.py``: ``schedule``,
+``update_from_output``, ``_update_waiting_for_remote_kv``). Here they are split so each file holds one idea,
+and joined by composition, not inheritance: the scheduler builds a ``RequestLifecycle`` and hands it what it
+works on, by name. Both halves move requests between the same four places (the waiting queue, the running
+list, KV loads in flight, finished requests whose blocks are held), so those live in one small
+``RequestQueues`` that both hold; the KV manager, the connector, the EOS ids and the context length come in as
+constructor arguments. A reader sees every dependency in ``__init__``, and no attribute is read from a class
+this one was mixed into (``tests/test_structure.py`` checks that no class reads an attribute it never sets).
+``SchedulerOutput``, the record of one step that both halves read and write, and ``RequestQueues`` live here,
+in the lower of the two files: ``scheduler.py`` imports them from here, never the other way.
 """
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
-from .kv_cache_manager import PrefixHit
+from .kv_cache_manager import KVManager, PrefixHit
+from .kv_connector import KVConnectorBase
 from .outputs import ModelRunnerOutput
 from .request import Request, RequestStatus
-from .spec_decode import count_verification
+from .spec_decode import count_verification, spec_counters
 from .stopping import token_stop_reason
 
 
@@ -54,9 +63,50 @@ class SchedulerOutput:
         return {r.request_id: (n, p) for r, n, p in zip(self.requests, self.num_new_tokens, self.is_prefill)}
 
 
+@dataclass
+class RequestQueues:
+    """Where each request the scheduler knows is: the state its two halves share.
+
+    The policy (``Scheduler``) admits from ``waiting`` and preempts from ``running``; the lifecycle
+    (``RequestLifecycle``) removes a finished request from either, adds the samples of ``n > 1``, parks
+    requests whose KV is on its way in ``loading`` and keeps finished ones whose blocks another engine
+    still pulls in ``held``. A request is in at most one of the four.
+    """
+
+    waiting: deque[Request] = field(default_factory=deque)  # queued, head first
+    running: list[Request] = field(default_factory=list)  # the batch's slots, oldest first
+    loading: dict[str, Request] = field(default_factory=dict)  # ch. 07: prompt KV on its way; blocks, no slot
+    held: dict[str, Request] = field(default_factory=dict)  # ch. 07: finished; blocks kept for a remote pull
+
+
 class RequestLifecycle:
-    """Moves requests forward after each step and frees what they held; mixed into ``Scheduler``, whose
-    ``running``/``waiting`` lists, ``kv`` manager, ``counters`` and ``connector`` it reads and writes."""
+    """Moves requests forward after each step and frees what they held.
+
+    A component the ``Scheduler`` owns (``scheduler.lifecycle``), not a base class it inherits: vLLM's one
+    ``Scheduler`` does both, but as a mixin this half read the scheduler's lists, KV manager and counters as if
+    they were its own, and a reader had to find where each was set. Now all it touches is handed to it here.
+    ``queues``: the ``RequestQueues`` it shares with the scheduler. ``kv``: the KV manager whose blocks it
+    caches, trims, forks and frees. ``eos_token_ids`` and ``max_model_len``: where a request stops (with the
+    pool's capacity, ``longest``). ``connector``: chapter 07's KV connector, or None. ``num_speculative_tokens``:
+    chapter 09's guesses per step, which add vLLM's spec-decode counters to ``counters`` (what the steps
+    computed and generated; ``llm.stats()`` and ``/metrics`` report them).
+    """
+
+    def __init__(self, queues: RequestQueues, kv: KVManager, eos_token_ids=(), max_model_len: int | None = None,
+                 connector: KVConnectorBase | None = None, num_speculative_tokens: int = 0):
+        self.queues = queues
+        self.kv = kv
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.connector = connector
+        self.counters = {"prompt_tokens_computed": 0, "generation_tokens": 0}
+        if num_speculative_tokens:
+            self.counters |= spec_counters(num_speculative_tokens)
+
+    @property
+    def longest(self) -> int:
+        """The most tokens a request may have: the context, or a pool smaller than it."""
+        return min(self.max_model_len, self.kv.capacity)
 
     def update_from_output(self, out: SchedulerOutput, sampled: ModelRunnerOutput) -> list[Request]:
         """Advance every request of the step; returns those that received a token (finished ones too).
@@ -146,7 +196,7 @@ class RequestLifecycle:
             self.kv.fork(req, child)
             child.status = RequestStatus.RUNNING
             req.samples.append(child)
-            self.running.append(child)
+            self.queues.running.append(child)
 
     @staticmethod
     def record_prompt_logprobs(out: SchedulerOutput, sampled: ModelRunnerOutput):
@@ -170,9 +220,9 @@ class RequestLifecycle:
         """The request leaves (done, stopped by a stop string, aborted, failed): its memory is freed now,
         unless the KV connector keeps it for another engine to pull, or a load is still writing into it."""
         if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
+            self.queues.running.remove(req)
         elif req.status is RequestStatus.WAITING:
-            self.waiting.remove(req)
+            self.queues.waiting.remove(req)
         elif req.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:
             return  # finished already
         loading = req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -183,7 +233,7 @@ class RequestLifecycle:
         if self.connector is not None:
             delay_free, req.remote_kv.transfer_params = self.connector.request_finished(req, list(req.block_table))
             if delay_free:
-                self.held[req.request_id] = req
+                self.queues.held[req.request_id] = req
                 return
         self.kv.release(req)
 
@@ -199,12 +249,12 @@ class RequestLifecycle:
             return False
         if not self.kv.can_allocate(req, ext, hit):
             return None
-        self.waiting.remove(req)
+        self.queues.waiting.remove(req)
         req.num_computed_tokens = self.kv.use_cached_prefix(req, hit)
         self.kv.allocate(req, ext, offer=False)  # not offered to the prefix cache before the KV is in
         self.connector.update_state_after_alloc(req, list(req.block_table), ext)
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self.loading[req.request_id] = req
+        self.queues.loading[req.request_id] = req
         return True
 
     def poll_connector(self):
@@ -213,12 +263,12 @@ class RequestLifecycle:
         a failed load follows ``kv_load_failure_policy``: compute the prompt here, or fail the request."""
         done_sending, done_recving = self.connector.get_finished()
         for rid in done_sending:
-            req = self.held.pop(rid, None)
+            req = self.queues.held.pop(rid, None)
             if req is not None:
                 self.kv.release(req)
         failed = self.connector.get_failed_loads()
         for rid in [*done_recving, *failed]:
-            req = self.loading.pop(rid, None)
+            req = self.queues.loading.pop(rid, None)
             if req is None:
                 continue
             req.remote_kv.load_done = True
@@ -227,11 +277,11 @@ class RequestLifecycle:
                 continue
             if rid in failed and self.connector.failure_policy == "fail":
                 req.status = RequestStatus.WAITING
-                self.waiting.appendleft(req)
+                self.queues.waiting.appendleft(req)
                 self.finish(req, "error")
                 continue
             if rid not in failed:
                 req.remote_kv.num_external_tokens = len(req.prompt_token_ids) - 1 - req.num_computed_tokens
                 req.num_computed_tokens = len(req.prompt_token_ids) - 1
             req.status = RequestStatus.WAITING
-            self.waiting.appendleft(req)
+            self.queues.waiting.appendleft(req)

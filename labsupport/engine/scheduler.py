@@ -11,11 +11,14 @@ With chunked prefill, a prompt longer than what is left of the step's token budg
 chunks over several steps, sharing each step with the running decodes. ``scheduling_policy=
 "static"`` is chapter 04's baseline: a batch is admitted together and held until it has drained.
 
-``schedule()`` decides; ``update_from_output()`` is the only place a request moves forward after
-the model ran: computed tokens, the new token, full blocks offered to the prefix cache, and
+``schedule()`` decides; ``lifecycle.update_from_output()`` is the only place a request moves forward
+after the model ran: computed tokens, the new token, full blocks offered to the prefix cache, and
 finishing (EOS, ``max_tokens``, the context length) with its memory freed at once. That half is
-bookkeeping, not policy, and lives in the base class ``RequestLifecycle`` (``lifecycle.py``), with
-chapter 07's requests whose KV comes from, or goes to, another engine.
+bookkeeping, not policy: it is ``RequestLifecycle`` (``lifecycle.py``), a component the scheduler
+builds and owns as ``self.lifecycle``, with chapter 07's requests whose KV comes from, or goes to,
+another engine. vLLM has both halves in one class; here each file holds one idea, and the two share
+only what they both move requests between, ``self.queues`` (``RequestQueues``: waiting, running,
+loading, held), and the KV manager and connector they are both handed.
 
 The small methods (``num_new_tokens``, ``add_to_batch``, ``admit``, ``preempt``) and the KV
 manager's ``can_allocate`` are what a policy is written with: chapter 04's exercise writes
@@ -29,10 +32,9 @@ import math
 from collections import deque
 
 from .kv_cache_manager import KVManager, PrefixHit
-from .lifecycle import RequestLifecycle, SchedulerOutput
+from .lifecycle import RequestLifecycle, RequestQueues, SchedulerOutput
 from .plug_points import PlugPoint
 from .request import Request
-from .spec_decode import spec_counters
 
 
 def chunk_rule(num_remaining: int, budget_left: int, enable_chunked_prefill: bool,
@@ -69,7 +71,11 @@ def admit_one(s, req: Request, out: SchedulerOutput, budget_left: int) -> int:
     return n
 
 
-class Scheduler(RequestLifecycle):
+class Scheduler:
+    """The policy, and the owner of the requests' state: ``queues`` (where each request is) and ``lifecycle``
+    (``RequestLifecycle``: what each step did to them), a component built here and handed the queues, the KV
+    manager and the connector; the engine calls ``scheduler.lifecycle.update_from_output`` after each step."""
+
     PLUG_POINTS = {  # the exercises' pieces (plug_points.py): a whole policy, a chunking rule, admission
         "schedule_fn": PlugPoint("schedule_fn", "schedule(scheduler) -> SchedulerOutput, the whole policy (ch. 04); "
                                  "None: the engine's own", kind="function or None"),
@@ -80,40 +86,49 @@ class Scheduler(RequestLifecycle):
     def __init__(self, config, kv: KVManager, eos_token_ids=(), connector=None):
         self.config = config  # the engine's EngineConfig, read at every step: one truth for every option
         self.kv = kv
-        self.eos_token_ids = set(eos_token_ids)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        # where each request is (waiting, running, and chapter 07's loading and held): shared with the lifecycle,
+        # which moves requests between them after each step
+        self.queues = RequestQueues()
+        # what each step did to its requests, and how they leave (lifecycle.py): owned, handed what it works on
+        spec = config.speculative_config  # chapter 09: the lifecycle counts the guesses it verifies
+        self.lifecycle = RequestLifecycle(self.queues, kv, eos_token_ids, config.max_model_len, connector,
+                                          num_speculative_tokens=spec["num_speculative_tokens"] if spec else 0)
         self.preempted: list[Request] = []  # this step's preemptions
         self.num_preemptions = 0
-        self.counters = {"prompt_tokens_computed": 0, "generation_tokens": 0}
-        if getattr(config, "speculative_config", None):  # chapter 09: vLLM's spec-decode counters
-            self.counters |= spec_counters(config.speculative_config["num_speculative_tokens"])
         # the exercises' plug points (PLUG_POINTS above; set them through LLMEngine.plugged)
         self.schedule_fn = None
         self.chunk_rule = chunk_rule
         self.admit_fn = admit_one
-        # chapter 07: a KV connector (engine/kv_connector.py), the requests whose prompt KV is on its way
-        # (they hold blocks, not a batch slot) and the finished ones whose blocks wait for a remote pull
+        # chapter 07: a KV connector (engine/kv_connector.py); the lifecycle parks and frees requests through it
         self.connector = connector
-        self.loading: dict[str, Request] = {}
-        self.held: dict[str, Request] = {}
+
+    # The policy's own view of the queues. Chapter 04's exercise writes ``schedule(s)`` against ``s.waiting`` and
+    # ``s.running`` (and ``s.admit``, ``s.preempt``), chapter 05's admission against the same, so they stay names
+    # of the scheduler; they are the lists in ``self.queues``, never copies, so the lifecycle sees every change.
+    @property
+    def waiting(self) -> deque[Request]:
+        return self.queues.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.queues.running
 
     def add_request(self, req: Request):
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or any(not r.is_finished for r in self.loading.values()))
+        return bool(self.waiting or self.running or any(not r.is_finished for r in self.queues.loading.values()))
 
     def has_pending_transfers(self) -> bool:
         """KV on its way in or out: the engine must keep polling the connector even with nothing to run."""
-        return bool(self.loading or self.held)
+        return bool(self.queues.loading or self.queues.held)
 
     # ------------------------------------------------------------------ policy
 
     def schedule(self) -> SchedulerOutput:
         self.preempted = []
         if self.connector is not None:
-            self.poll_connector()
+            self.lifecycle.poll_connector()
         out = self.schedule_fn(self) if self.schedule_fn is not None else self._schedule()
         if not isinstance(out, SchedulerOutput):
             raise TypeError(f"a schedule function must return a SchedulerOutput, not {type(out).__name__}")
@@ -156,7 +171,7 @@ class Scheduler(RequestLifecycle):
                 budget -= self.step_cost(req, n)
                 continue
             if self.connector is not None:
-                loading = self.start_remote_load(req, self.kv.find_cached_prefix(req))
+                loading = self.lifecycle.start_remote_load(req, self.kv.find_cached_prefix(req))
                 if loading is None:
                     break                               # its KV waits elsewhere, but no room for it here yet
                 if loading:
@@ -224,13 +239,13 @@ class Scheduler(RequestLifecycle):
     def admit(self, req: Request, hit: PrefixHit | None = None):
         """Move ``req`` from the queue to the running list, reusing the prefix ``hit`` found for it."""
         self.waiting.remove(req)  # the head, in FCFS order: found at once
-        self.mark_running(req, hit)
+        self.lifecycle.mark_running(req, hit)
         self.running.append(req)
 
     def preempt(self, req: Request):
         """Recompute preemption: free the request's KV, requeue it first; its tokens so far are kept."""
         self.running.remove(req)
-        self.mark_preempted(req)
+        self.lifecycle.mark_preempted(req)
         self.num_preemptions += 1
         self.preempted.append(req)
         self.waiting.appendleft(req)
@@ -238,12 +253,7 @@ class Scheduler(RequestLifecycle):
     def num_running_seqs(self) -> int:
         return sum(r.num_seqs for r in self.running)
 
-    @property
-    def longest(self) -> int:
-        """The most tokens a request may have: the context, or a pool smaller than it."""
-        return min(self.config.max_model_len, self.kv.capacity)
-
     def stats(self) -> dict:
         return {"num_preemptions": self.num_preemptions, "num_requests_running": len(self.running),
                 "num_requests_waiting": len(self.waiting),
-                **{k: list(v) if isinstance(v, list) else v for k, v in self.counters.items()}}
+                **{k: list(v) if isinstance(v, list) else v for k, v in self.lifecycle.counters.items()}}

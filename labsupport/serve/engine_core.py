@@ -165,7 +165,7 @@ class EngineCore:
             return  # finished already: its last delta is on its way
         req = track.req
         if finish.keep_tokens is not None:  # the frontend found a stop string: the tokens past it never were
-            self.engine.scheduler.drop_tokens_after(req, finish.keep_tokens)
+            self.engine.scheduler.lifecycle.drop_tokens_after(req, finish.keep_tokens)
         self.engine.abort_requests([req], finish.reason)
         self._hook("on_finished", req)
 
@@ -205,9 +205,9 @@ class EngineCore:
                     del self.live[rid]
                     self._hook("on_finished", req)
         if ran or deltas:
-            scheduler = engine.scheduler
-            waiting = len(scheduler.waiting) + sum(not r.is_finished for r in scheduler.loading.values())
-            self._send(CoreOutputs(deltas, self._take_answers(), len(scheduler.running), waiting))
+            queues = engine.scheduler.queues
+            waiting = len(queues.waiting) + sum(not r.is_finished for r in queues.loading.values())
+            self._send(CoreOutputs(deltas, self._take_answers(), len(queues.running), waiting))
         elif self.live:
             self.poller.poll(10)  # nothing could be scheduled now (KV on its way): do not spin
 

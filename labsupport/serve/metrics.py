@@ -150,7 +150,7 @@ class ServerMetrics:
 
     def _count_speculation(self, engine):
         """The engine's spec-decode totals (chapter 09) -> counter increments, per position too."""
-        totals = engine.scheduler.counters
+        totals = engine.scheduler.lifecycle.counters
         for name in SPEC_COUNTERS:
             if name in totals:
                 self.counters[name].inc(totals[name] - self._spec_seen.get(name, 0))
@@ -186,15 +186,16 @@ class ServerMetrics:
         if not self._cache_config_set and hasattr(engine, "config"):
             self._set_cache_config(engine)
         g = self.gauges
-        g["num_requests_running"].set(len(engine.scheduler.running))
-        loading = sum(not r.is_finished for r in getattr(engine.scheduler, "loading", {}).values())
-        g["num_requests_waiting"].set(len(engine.scheduler.waiting) + loading)  # KV on its way: waiting too (vLLM)
+        queues = engine.scheduler.queues
+        g["num_requests_running"].set(len(queues.running))
+        loading = sum(not r.is_finished for r in queues.loading.values())
+        g["num_requests_waiting"].set(len(queues.waiting) + loading)  # KV on its way: waiting too (vLLM)
         waiting = self.labelled["num_requests_waiting_by_reason"]
-        waiting["capacity"].set(len(engine.scheduler.waiting))
+        waiting["capacity"].set(len(queues.waiting))
         waiting["deferred"].set(loading)
         connector = getattr(engine, "connector", None)
         if connector is not None:
-            g["kv_requests_held"].set(len(engine.scheduler.held))
+            g["kv_requests_held"].set(len(queues.held))
             for name in CONNECTOR_COUNTERS:  # the connector's totals -> counter increments
                 value = connector.counters.get(name, 0)
                 self.counters[name].inc(max(0, value - self._connector_seen.get(name, 0)))
