@@ -16,7 +16,7 @@ from .base import CheckFailed, passed
 
 
 def _rows(block_tables, context_lens, block_size):
-    from ..engine.paged_attention import DecodeRows
+    from ..engine.attention_metadata import DecodeRows
 
     width = block_tables.shape[1] * block_size
     padding = torch.arange(width)[None, :] >= context_lens[:, None]
