@@ -6,10 +6,12 @@ Imports are read from the source (``ast``), every one of them: at the top of a f
 whichever is imported first sees the other half-built; the shared piece belongs in the lower of the two.
 """
 import ast
+import dataclasses
 import re
 from pathlib import Path
 
 import labsupport
+from labsupport.engine.attention import AttentionBatch
 
 ROOT = Path(labsupport.__file__).parent
 CPP_IN_A_STRING = re.compile(r"^\s*#include\s*[<\"]|torch::Tensor\s+\w+\(|TORCH_CHECK\(|at::parallel_for\(", re.M)
@@ -229,6 +231,58 @@ def test_the_engine_imports_no_layer_built_on_it():
     leaks = sorted(f"{name} -> {target}" for name in MODULES if name.startswith("labsupport.engine")
                    for target in imported_modules(name) if target.startswith(above))
     assert not leaks, f"engine modules importing the layers above them: {leaks}"
+
+
+METADATA_KEYS = {"slot_mapping", "decode", "prefill", "prefill_seqs", "mixed"}  # what the string-keyed dict held
+
+
+def untyped_attention_metadata(source: str) -> list[str]:
+    """Where ``source`` passes attention metadata through a string-keyed dict, the way ``batch.extra`` once did:
+    an attribute named ``extra`` (``batch.extra["decode"]``, ``batch.extra = {...}``), an index by
+    ``"slot_mapping"`` or ``"prefill_seqs"``, or a dict literal keyed by ``"slot_mapping"`` and another of the
+    metadata's names. (A plug point named ``slot_mapping`` or a timeline's ``{"prefill": ..., "decode": ...}`` is
+    not metadata and is not found.)"""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "extra":
+            found.append(f"{node.lineno}: .extra")
+        elif (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+              and node.slice.value in ("slot_mapping", "prefill_seqs")):
+            found.append(f"{node.lineno}: [{node.slice.value!r}]")
+        elif isinstance(node, ast.Dict):
+            keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+            if "slot_mapping" in keys and keys & (METADATA_KEYS - {"slot_mapping"}):
+                found.append(f"{node.lineno}: {{{', '.join(map(repr, sorted(keys)))}}}")
+    return found
+
+
+def test_attention_metadata_is_typed_not_a_string_keyed_dict():
+    """``PagedAttention.prepare`` hands every layer a ``PagedAttentionMetadata`` (``engine/attention_metadata.py``),
+    read by attribute: a field a reader can follow to where it is described, and a misspelling that fails at
+    once. A dict of strings beside it (``batch.extra``) would be a second, untyped way to say the same."""
+    found = [f"{path.relative_to(ROOT)}:{where}" for path in MODULES.values()
+             for where in untyped_attention_metadata(path.read_text())]
+    assert not found, f"attention metadata in a string-keyed dict: {found}"
+    carried = {f.name: f.type for f in dataclasses.fields(AttentionBatch)}
+    assert "extra" not in carried and carried["attn_metadata"] == "PagedAttentionMetadata | None"
+
+
+def test_the_metadata_finder_sees_the_dict_it_replaced():
+    """The finder above, on the code it replaced (``paged_attention.py``, ``cuda_graphs.py``), and on dicts that
+    only share a name with the metadata."""
+    old = """
+extra = {"slot_mapping": slots, "decode": None, "prefill": [], "prefill_seqs": None, "mixed": None}
+batch.extra = extra
+rows = x["prefill_seqs"]
+k_pool.index_copy_(1, meta["slot_mapping"], k)
+"""
+    assert [w.split(":")[0] for w in untyped_attention_metadata(old)] == ["2", "3", "4", "5"]
+    unrelated = """
+PLUG_POINTS = {"slot_mapping": PlugPoint("slot_mapping", "ch. 02"), "decode_attention": None}
+step = {"start": 0.0, "prefill": {"r1": 69}, "decode": []}
+batch.attn_metadata.slot_mapping
+"""
+    assert untyped_attention_metadata(unrelated) == []
 
 
 def test_no_class_inherits_a_replaced_mixin():

@@ -16,7 +16,7 @@ from .base import CheckFailed, passed
 
 
 def _rows(block_tables, context_lens, block_size):
-    from ..engine.paged_attention import DecodeRows
+    from ..engine.attention_metadata import DecodeRows
 
     width = block_tables.shape[1] * block_size
     padding = torch.arange(width)[None, :] >= context_lens[:, None]
@@ -151,7 +151,7 @@ def reference_mixed_read(q, k_pool, v_pool, block_tables, query_lens, context_le
     seqs = [SimpleNamespace(request_id=str(i), block_table=[int(b) for b in table], num_computed_tokens=int(c - n))
             for i, (table, n, c) in enumerate(zip(block_tables, query_lens, context_lens))]
     batch = backend.prepare(seqs, [int(n) for n in query_lens])
-    writes = batch.extra["slot_mapping"]  # the new tokens' K/V are in the pool already: write them back unchanged
+    writes = batch.attn_metadata.slot_mapping  # the new tokens' K/V are in the pool already: write them back unchanged
     return backend.attend(0, q, k_pool[:, writes].transpose(0, 1), v_pool[:, writes].transpose(0, 1), batch)
 
 

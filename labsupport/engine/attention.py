@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .attention_metadata import PagedAttentionMetadata
 from .plug_points import PlugPoint
 
 
@@ -31,13 +32,14 @@ class AttentionBatch:
     ``query_lens[i]`` tokens of sequence i are in this forward pass; ``context_lens[i]`` is the
     sequence's length once they are added (cached tokens + new ones). The new tokens are the
     last ``query_lens[i]`` positions of that context, which is what makes the mask causal.
-    ``extra`` carries backend-specific tensors (slot mapping, block tables).
+    ``attn_metadata`` is what ``PagedAttention.prepare`` worked out for every layer (the slots to write, how
+    each row reads its context: ``attention_metadata.py``); the other backends need only the lengths.
     """
 
     query_lens: list[int]
     context_lens: list[int]
     request_ids: list[str] = field(default_factory=list)
-    extra: dict = field(default_factory=dict)
+    attn_metadata: PagedAttentionMetadata | None = None
 
     def __post_init__(self):
         offsets = [0]

@@ -19,6 +19,9 @@ in plain PyTorch: a GPU kernel reads the blocks in place (``triton_attention.py`
 small C++ kernel on the CPU if asked for (``kernels/cpu_attention.py``), and the block-size trade-off in
 chapter 02 measures the difference.
 
+``prepare`` works all of this out once per step, a ``PagedAttentionMetadata`` (``attention_metadata.py``) on
+the batch, and every layer's ``attend`` reads it.
+
 Pool layout, per layer: ``[num_kv_heads, num_blocks * block_size, head_dim]``, slot ``s`` =
 ``block * block_size + offset``. Heads first, so gathering blocks gives each head's keys
 contiguously, which the matmul reads without another copy.
@@ -26,42 +29,14 @@ contiguously, which the matmul reads without another copy.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from ..kernels import select
 from .attention import AttentionBackend, AttentionBatch, sdpa
+from .attention_metadata import DecodeRows, PagedAttentionMetadata, PrefillRows, PrefillSeqs
 from .block_pool import slot_mapping
 from .plug_points import PlugPoint
-
-
-@dataclass
-class DecodeRows:
-    """The decode rows of a step: where they sit in the flat batch and where their KV lives."""
-
-    token_index: torch.Tensor   # [B] row of each decode token in the flat [T] batch
-    block_tables: torch.Tensor  # [B, max_blocks] (padded with block 0)
-    context_lens: torch.Tensor  # [B]
-    padding: torch.Tensor       # [B, max_blocks * block_size] True where a slot is past the context
-
-
-@dataclass
-class PrefillSeqs:
-    """Every prefill sequence of a step, for a kernel that serves them in one call (``kernels/cpu_attention.py``); or
-    every sequence of a step, decodes included, for a plugged ``mixed_attention`` (chapter 02)."""
-
-    block_tables: torch.Tensor  # [S, max_blocks] (padded with block 0)
-    starts: torch.Tensor        # [S] first row of each in the flat batch
-    query_lens: torch.Tensor    # [S] its new tokens: the last query_lens of its context_lens positions
-    context_lens: torch.Tensor  # [S]
-
-
-@dataclass
-class PrefillRows:
-    start: int                  # first row in the flat batch
-    end: int
-    context_slots: torch.Tensor | None  # pool slots of the whole context; None: a fresh prompt
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: DecodeRows,
@@ -145,35 +120,35 @@ class PagedAttention(AttentionBackend):
         return sum(t.numel() * t.element_size() for t in self.k_pool + self.v_pool)
 
     def prepare(self, requests, num_new_tokens) -> AttentionBatch:
-        """Build the step's metadata once; every layer reuses it."""
+        """Build the step's metadata once (``batch.attn_metadata``); every layer reuses it."""
         batch = super().prepare(requests, num_new_tokens)
         bs, dev = self.block_size, self.device
         writes = []
         for req, n, ctx in zip(requests, num_new_tokens, batch.context_lens):
             writes += self.slot_mapping(req.block_table, ctx - n, n, bs)  # only the new tokens' slots
+        slots = torch.tensor(writes, dtype=torch.long, device=dev)
+        if self.mixed_attention is not None:  # one call for the whole step: a decode row is a 1-token chunk
+            width = -(-max(batch.context_lens) // bs)
+            tables = [req.block_table[:width] for req in requests]
+            mixed = PrefillSeqs(
+                torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev),
+                *(torch.tensor(v, dtype=torch.long, device=dev)
+                  for v in (batch.query_offsets[:-1], batch.query_lens, batch.context_lens)))
+            batch.attn_metadata = PagedAttentionMetadata(slot_mapping=slots, mixed=mixed)
+            return batch
         # decode rows: one new token, or a few after a context (speculative decoding's guesses, chapter 09):
         # each query token is a row of its own, seeing the context up to itself (its K/V is written first)
         decode = [(batch.query_offsets[i] + j, i, ctx - n + 1 + j)
                   for i, (n, ctx) in enumerate(zip(batch.query_lens, batch.context_lens))
                   if self._as_decode(requests[i], n) for j in range(n)]
-        extra = {"slot_mapping": torch.tensor(writes, dtype=torch.long, device=dev), "decode": None, "prefill": [],
-                 "prefill_seqs": None, "mixed": None}
-        if self.mixed_attention is not None:  # one call for the whole step: a decode row is a 1-token chunk
-            width = -(-max(batch.context_lens) // bs)
-            tables = [req.block_table[:width] for req in requests]
-            extra["mixed"] = PrefillSeqs(
-                torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev),
-                *(torch.tensor(v, dtype=torch.long, device=dev)
-                  for v in (batch.query_offsets[:-1], batch.query_lens, batch.context_lens)))
-            batch.extra = extra
-            return batch
+        decode_rows = prefill_seqs = None
         if decode:
             lens = [length for _, _, length in decode]
             width = -(-max(lens) // bs)
             tables = [requests[i].block_table[:width] for _, i, _ in decode]
             tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
             context_lens = torch.tensor(lens)
-            extra["decode"] = DecodeRows(
+            decode_rows = DecodeRows(
                 token_index=torch.tensor([row for row, _, _ in decode], device=dev),
                 block_tables=tables.to(dev), context_lens=context_lens.to(dev),
                 padding=(torch.arange(width * bs)[None, :] >= context_lens[:, None]).to(dev))
@@ -181,18 +156,20 @@ class PagedAttention(AttentionBackend):
         if prefill and self.prefill_kernel is not None:  # one call per layer reads every context in place
             width = -(-max(batch.context_lens[i] for i in prefill) // bs)
             tables = [requests[i].block_table[:width] for i in prefill]
-            extra["prefill_seqs"] = PrefillSeqs(
+            prefill_seqs = PrefillSeqs(
                 torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long),
                 *(torch.tensor(v, dtype=torch.long) for v in ([batch.query_offsets[i] for i in prefill],
                                                               [batch.query_lens[i] for i in prefill],
                                                               [batch.context_lens[i] for i in prefill])))
             prefill = []
+        prefill_rows = []
         for i in prefill:  # else one sequence at a time, a chunk's context gathered from the pool
             n, ctx = batch.query_lens[i], batch.context_lens[i]
-            slots = None if ctx == n else torch.tensor(self.slot_mapping(requests[i].block_table, 0, ctx, bs),
-                                                       dtype=torch.long, device=dev)
-            extra["prefill"].append(PrefillRows(batch.query_offsets[i], batch.query_offsets[i + 1], slots))
-        batch.extra = extra
+            context = None if ctx == n else torch.tensor(self.slot_mapping(requests[i].block_table, 0, ctx, bs),
+                                                         dtype=torch.long, device=dev)
+            prefill_rows.append(PrefillRows(batch.query_offsets[i], batch.query_offsets[i + 1], context))
+        batch.attn_metadata = PagedAttentionMetadata(slot_mapping=slots, decode=decode_rows, prefill=prefill_rows,
+                                                     prefill_seqs=prefill_seqs)
         return batch
 
     @staticmethod
@@ -203,18 +180,18 @@ class PagedAttention(AttentionBackend):
         return n == 1 or (n <= VERIFY_ROWS and bool(getattr(getattr(req, "spec", None), "token_ids", None)))
 
     def attend(self, layer, q, k, v, batch):
-        x = batch.extra
+        meta = batch.attn_metadata
         k_pool, v_pool = self.k_pool[layer], self.v_pool[layer]
         if self.connector is not None:
             self.connector.wait_for_layer_load(layer)  # a layer-wise loader: this layer's KV must be in
-        k_pool.index_copy_(1, x["slot_mapping"], k.transpose(0, 1))
-        v_pool.index_copy_(1, x["slot_mapping"], v.transpose(0, 1))
+        k_pool.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_pool.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         if self.connector is not None:
             self.connector.save_kv_layer(layer, k_pool, v_pool, batch)  # a push connector sends it now
-        if x.get("mixed") is not None:  # extra built elsewhere (CUDA graphs) has no "mixed"
-            return self.mixed_attention(q, k_pool, v_pool, x["mixed"], self.block_size)
-        rows, seqs = x["decode"], x["prefill_seqs"]
-        if rows is not None and not x["prefill"] and seqs is None:  # the common step: decodes only, in order
+        if meta.mixed is not None:
+            return self.mixed_attention(q, k_pool, v_pool, meta.mixed, self.block_size)
+        rows, seqs = meta.decode, meta.prefill_seqs
+        if meta.decodes_only:  # the common step: decodes only, in order
             return self.decode_attention(q, k_pool, v_pool, rows, self.block_size)
         q = q.contiguous()
         out = torch.empty_like(q)
@@ -222,7 +199,7 @@ class PagedAttention(AttentionBackend):
             self.prefill_kernel(q, k_pool, v_pool, seqs, self.block_size, out)
         if rows is not None:
             out[rows.token_index] = self.decode_attention(q[rows.token_index], k_pool, v_pool, rows, self.block_size)
-        for p in x["prefill"]:
+        for p in meta.prefill:
             out[p.start:p.end] = prefill_attention(q[p.start:p.end], k[p.start:p.end], v[p.start:p.end],
                                                    k_pool, v_pool, p)
         return out

@@ -80,7 +80,7 @@ def kernel_applies(dtype: torch.dtype, head_dim: int) -> bool:
 
 def cpu_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seqs, block_size: int,
                           out: torch.Tensor):
-    """Every prefill sequence of the step (``paged_attention.PrefillSeqs``) attending causally over its context,
+    """Every prefill sequence of the step (``attention_metadata.PrefillSeqs``) attending causally over its context,
     read in place from the pool (``csrc/paged_prefill.cpp``), written into their rows of ``out`` ([T, H, D],
     like q)."""
     _module.paged_prefill(q.contiguous(), k_pool, v_pool, seqs.block_tables, seqs.starts, seqs.query_lens,

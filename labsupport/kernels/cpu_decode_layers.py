@@ -72,9 +72,8 @@ class CpuDecodeLayers(EagerStep):
     def can_run(self, token_ids: torch.Tensor, batch) -> bool:
         """What a step or a chapter may change: a small decode-only step, the engine's own C++ decode attention
         (not an exercise's), no KV connector (chapter 07's per-layer hooks)."""
-        x, be = batch.extra, self.backend
-        return (0 < token_ids.shape[0] <= cpu_products.thin_rows() and x.get("decode") is not None
-                and not x["prefill"] and x["prefill_seqs"] is None
+        be = self.backend
+        return (0 < token_ids.shape[0] <= cpu_products.thin_rows() and batch.attn_metadata.decodes_only
                 and be.decode_attention is cpu_attention.cpu_decode_attention and be.connector is None)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
@@ -107,10 +106,10 @@ class CpuDecodeLayers(EagerStep):
             return None
         x = self.model.model.embed_tokens(token_ids)
         cos, sin = self.model.rope_cos_sin(positions, x.dtype)
-        meta, be = batch.extra, self.backend
-        rows = meta["decode"]
+        meta, be = batch.attn_metadata, self.backend
+        rows = meta.decode
         for i, weights in self._layers:  # (a draft model's layers have pools after the target's)
-            x = _module.decode_layer(x, *weights, cos, sin, be.k_pool[i], be.v_pool[i], meta["slot_mapping"],
+            x = _module.decode_layer(x, *weights, cos, sin, be.k_pool[i], be.v_pool[i], meta.slot_mapping,
                                      rows.block_tables, rows.context_lens, be.block_size)
         self.num_steps += 1
         return self.model.model.norm(x)

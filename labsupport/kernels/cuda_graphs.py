@@ -28,7 +28,8 @@ import torch
 
 from ..engine.attention import AttentionBatch
 from ..engine.block_pool import slot_mapping
-from ..engine.paged_attention import DecodeRows, PagedAttention, paged_decode_attention
+from ..engine.attention_metadata import DecodeRows, PagedAttentionMetadata
+from ..engine.paged_attention import PagedAttention, paged_decode_attention
 from ..engine.runner import EagerStep
 
 
@@ -111,8 +112,8 @@ class DecodeGraphs(EagerStep):
             padding = torch.arange(self.max_blocks * bs, device=self.device)[None, :] >= lens[:, None]
         rows = DecodeRows(token_index=torch.arange(size, device=self.device), block_tables=self.tables[:size],
                           context_lens=lens, padding=padding)
-        meta = AttentionBatch([1] * size, [0] * size)  # lengths live in the tensors above, not in Python
-        meta.extra = {"slot_mapping": self.slots[:size], "decode": rows, "prefill": [], "prefill_seqs": None}
+        meta = AttentionBatch([1] * size, [0] * size,  # lengths live in the tensors above, not in Python
+                              attn_metadata=PagedAttentionMetadata(slot_mapping=self.slots[:size], decode=rows))
         return self.model.logits(self.model(self.ids[:size], self.positions[:size], self.backend, meta))
 
     def _capture(self, size: int):

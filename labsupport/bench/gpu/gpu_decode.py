@@ -32,7 +32,7 @@ def random_decode_case(lens, heads, kv_heads, head_dim, block_size, dtype, devic
     """q, K/V pools and ``DecodeRows`` for decode rows of context ``lens``: random values in every slot
     (block 0 too, so an unmasked padding slot shows) and shuffled, non-contiguous block tables padded
     with block 0, as ``PagedAttention.prepare`` builds them."""
-    from ...engine.paged_attention import DecodeRows
+    from ...engine.attention_metadata import DecodeRows
 
     gen = torch.Generator().manual_seed(seed)
     per_seq = [-(-n // block_size) for n in lens]
