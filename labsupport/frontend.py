@@ -108,8 +108,9 @@ class Frontend:
 
     def with_params(self, prepared: PreparedRequest, params: SamplingParams,
                     use_result_cache: bool = True) -> PreparedRequest:
-        """The same checked prompt with other sampling parameters (the server's ``n`` choices differ by
-        seed), looked up in the result cache afresh: tokenized and checked once, asked several times."""
+        """The same checked prompt with other sampling parameters (the server's choices where the engine
+        cannot fork ``n`` samples differ by seed), looked up in the result cache afresh: tokenized and
+        checked once, asked several times."""
         again = PreparedRequest(prepared.prompt_token_ids, prepared.prompt, params, prepared.cache_salt)
         if self.result_cache is not None and use_result_cache and is_deterministic(params):
             again.cache_key = result_key(self.model_name, again.prompt_token_ids, params, again.cache_salt)

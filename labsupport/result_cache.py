@@ -22,10 +22,10 @@ from collections import OrderedDict
 
 def is_deterministic(params) -> bool:
     """May this request be answered from (and stored in) the result cache? A PD hand-off never is:
-    its answer is a side effect on another engine (KV held for a pull), not only text. Nor is an
-    offline request for n > 1 samples."""
+    its answer is a side effect on another engine (KV held for a pull), not only text. Nor is a
+    request for n > 1 samples: its answer is several outputs, not one."""
     if getattr(params, "kv_transfer_params", None) or getattr(params, "n", 1) > 1:
-        return False  # (n > 1 offline: several answers in one output; the server sends n requests instead)
+        return False
     return params.temperature == 0 or params.seed is not None
 
 

@@ -95,3 +95,36 @@ def test_openapi_documents_400_with_openais_error_body_and_no_422(server):
     assert set(info["properties"]) == {"message", "type", "param", "code"}
     r = httpx.post(server.url + CHAT, json={"messages": "hi"}, timeout=30)
     assert r.status_code == 400 and set(r.json()["error"]) == set(info["properties"])  # what it documents
+
+
+@pytest.mark.parametrize("path, extra, param, needles", [
+    (CHAT, {"n": 100}, "n", ["n=100", "max_num_seqs is 64"]),  # forked samples run together: both numbers
+    (CHAT, {"n": 3, "seed": 2**63 - 2}, "seed", ["seed + n - 1 must fit in 64 bits"]),
+    (CHAT, {"max_tokens": 9000}, "max_tokens", ["maximum context length is 8192 tokens", "9000 in the completion"]),
+    (CHAT, {"messages": [{"role": "user", "content": "word " * 8500}]}, "messages",
+     ["maximum context length is 8192 tokens", "input tokens"]),
+    (TEXT, {"prompt": [7] * 8200}, "prompt", ["maximum context length is 8192 tokens", "8200 input tokens"]),
+])
+def test_refusals_of_n_seeds_and_the_context_name_the_field(llm, server, path, extra, param, needles):
+    body = {"messages": Q, "max_tokens": 2, **extra} if path == CHAT else {"max_tokens": 2, **extra}
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    assert_openai_error(r.status_code, r.json(), 400)
+    assert r.json()["error"]["param"] == param, r.json()
+    assert all(needle in r.json()["error"]["message"] for needle in needles), r.json()
+    assert llm.stats()["num_requests_waiting"] == llm.stats()["num_requests_running"] == 0
+
+
+def test_a_prompt_is_checked_once_on_its_way_in(server, monkeypatch):
+    """The engine's prompt rules (``EngineLimits.check_prompt``: the context, the vocabulary, the pool) run once
+    per prompt, whatever ``n`` is; the engine trusts that check when the request is added."""
+    from labsupport.engine.limits import EngineLimits
+    checked = []
+    original = EngineLimits.check_prompt
+    monkeypatch.setattr(EngineLimits, "check_prompt",
+                        lambda self, ids, max_tokens=None: (checked.append(max_tokens), original(self, ids, max_tokens))[1])
+    r = httpx.post(server.url + CHAT, json={"messages": Q, "max_tokens": 2, "n": 3}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3, r.text
+    assert checked == [2]
+    r = httpx.post(server.url + TEXT, json={"prompt": ["a", "b"], "n": 2}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 4, r.text
+    assert checked == [2, 16, 16]  # text completions default to 16 tokens, as OpenAI's do

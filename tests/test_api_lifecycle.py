@@ -3,6 +3,7 @@ that raises, an engine loop that dies, shutdown with requests in flight (in-proc
 ``python -m labsupport serve``), and concurrent clients sharing the engine's steps. After each, every
 request is gone and every KV block is back."""
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import threading
 import httpx
 import openai
 import pytest
-from server_tools import LONG, QUESTION, post, wait_idle_and_free
+from server_tools import LONG, QUESTION, post, server_metrics, wait_idle_and_free
 from waiting import wait_healthy
 
 from labsupport import SamplingParams
@@ -39,6 +40,26 @@ def test_client_disconnecting_mid_stream_frees_all_its_blocks(llm, server):
 def test_client_giving_up_on_a_non_streamed_answer_aborts_it(llm, server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/chat/completions", json=LONG, timeout=1.5)
+    wait_idle_and_free(llm)
+
+
+def test_hanging_up_on_n_forked_samples_aborts_every_sample_and_frees_their_blocks(llm, server):
+    """Past the fork, each sample is a sequence of its own holding its own blocks: a hang-up aborts them all."""
+    body = {**LONG, "n": 4, "temperature": 1.0, "seed": 1, "stream": True}
+    aborted = 'labsupport:request_success_total{finished_reason="abort"}'
+    before = server_metrics(server)[aborted]
+    seen = set()
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen |= {c["index"] for c in json.loads(line[len("data: "):])["choices"]}
+            if len(seen) == 4 and llm.stats()["num_requests_running"] == 4:
+                break  # hang up while all four samples run
+    assert seen == {0, 1, 2, 3}
+    wait_idle_and_free(llm)
+    assert server_metrics(server)[aborted] == before + 4  # each sample aborted, none left to run its 400 tokens
+    with pytest.raises(httpx.ReadTimeout):  # and a client giving up on the whole answer
+        httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=1.5)
     wait_idle_and_free(llm)
 
 

@@ -4,6 +4,7 @@ exactly the non-streamed one, non-ASCII text included."""
 import httpx
 import openai
 import pytest
+from server_tools import wait_idle_and_free
 
 from labsupport import LLM
 from labsupport.serve.api import create_app
@@ -89,16 +90,45 @@ def test_text_completions_take_text_token_ids_or_a_list_of_prompts(served, clien
     assert both.usage.prompt_tokens == len(ids) + len(served.tokenizer("1, 2, 3,").input_ids)
 
 
-def test_n_choices_share_the_prompt_blocks_and_stream_like_they_answer(served, client):
-    body = {"model": "smol", "messages": QUESTION, "max_tokens": 6, "temperature": 1.0, "seed": 7, "n": 2}
-    hits = served.stats()["prefix_cache_hits"]
+def test_n_choices_fork_from_one_prompt_and_stream_like_they_answer(served, client):
+    """n = 3 is one engine request: the prompt is computed once (each extra sample recomputes only its last
+    token, to draw its own first one), choice i is sample i, drawn with seed + i, so it equals a request
+    alone with that seed; usage counts the prompt once and every choice's tokens."""
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Invent a name for a blue bird."}],
+            "max_tokens": 6, "temperature": 1.0, "seed": 7, "n": 3, "extra_body": {"ignore_eos": True}}
+    before = served.stats()["prompt_tokens_computed"]
     whole = client.chat.completions.create(**body)
-    assert served.stats()["prefix_cache_hits"] > hits  # the second choice reused the first one's prompt KV
-    assert [c.index for c in whole.choices] == [0, 1]
-    assert whole.choices[0].message.content != whole.choices[1].message.content  # seeds 7 and 8
-    assert whole.usage.completion_tokens == 12 and whole.usage.prompt_tokens < 60  # the prompt counts once
+    computed = served.stats()["prompt_tokens_computed"] - before
+    cached = whole.usage.prompt_tokens_details.cached_tokens
+    assert computed == whole.usage.prompt_tokens - cached + 2  # n separate requests: most of it 3 times
+    assert whole.usage.prompt_tokens % 16 > 1  # tokens past its last full block: separate requests recompute them
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    texts = [c.message.content for c in whole.choices]
+    assert len(set(texts)) == 3  # seeds 7, 8 and 9
+    assert whole.usage.completion_tokens == 18 and all(c.finish_reason == "length" for c in whole.choices)
+    assert whole.usage.prompt_tokens < 40  # the prompt counts once, not three times
+    alone = [client.chat.completions.create(**{**body, "n": 1, "seed": 7 + i}).choices[0].message.content
+             for i in range(3)]
+    assert alone == texts  # reproducible: sample i is the seed + i draw
     streamed = joined(client.chat.completions.create(**body, stream=True))
-    assert streamed == {i: c.message.content for i, c in enumerate(whole.choices)}
+    assert streamed == dict(enumerate(texts))
+    wait_idle_and_free(served)
+
+
+def test_n_choices_of_several_prompts_are_indexed_prompt_major(served, client):
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    body = dict(model="smol", prompt=prompts, max_tokens=4, temperature=1.0, seed=3, n=2,
+                extra_body={"ignore_eos": True})
+    whole = client.completions.create(**body)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    for k, prompt in enumerate(prompts):
+        for i in range(2):
+            alone = client.completions.create(**{**body, "prompt": prompt, "n": 1, "seed": 3 + i})
+            assert whole.choices[2 * k + i].text == alone.choices[0].text
+    assert whole.usage.prompt_tokens == sum(len(served.tokenizer(p).input_ids) for p in prompts)
+    assert whole.usage.completion_tokens == 4 * 4
+    streamed = joined(client.completions.create(**body, stream=True), "text")
+    assert streamed == {c.index: c.text for c in whole.choices}
 
 
 def test_chat_logprobs_in_openai_format(client):
@@ -131,6 +161,18 @@ def test_completion_logprobs_with_echo_in_the_legacy_format(served, client):
     assert "".join(c.choices[0].text for c in chunks) == choice.text
     assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == lp.tokens
     assert [x for c in chunks for x in c.choices[0].logprobs.text_offset] == lp.text_offset
+
+
+def test_every_forked_choice_echoes_the_prompt_with_its_logprobs(served, client):
+    """The prompt's logprobs are computed once, before the fork, and every sample's choice shows them."""
+    prompt = "The capital of France is"
+    n_prompt = len(served.tokenizer(prompt).input_ids)
+    resp = client.completions.create(model="smol", prompt=prompt, max_tokens=3, temperature=1.0, seed=2, n=2,
+                                     logprobs=1, echo=True)
+    first, second = (c.logprobs for c in resp.choices)
+    assert len(first.tokens) == len(second.tokens) == n_prompt + 3
+    assert first.token_logprobs[:n_prompt] == second.token_logprobs[:n_prompt] and first.token_logprobs[0] is None
+    assert all(c.text.startswith(prompt) and "".join(c.logprobs.tokens) == c.text for c in resp.choices)
 
 
 def test_vllm_sampling_extensions(server, client):

@@ -126,6 +126,57 @@ def test_client_hanging_up_frees_its_blocks_in_the_core(server):
     wait_idle(server.url)
 
 
+def test_n_samples_fork_in_the_core_and_answer_as_in_process(server, in_process):
+    """n = 3 is one request to the core: the prompt is computed there once, each sample comes back under its own
+    id as choice i, a stop string ends only the sample that wrote it (the frontend finds it, the core stops that
+    sample), and the choices, usage and streams are the in-process engine's."""
+    chat = {"model": "smol", "messages": [{"role": "user", "content": "List three animals, comma separated."}],
+            "max_tokens": 24, "temperature": 1.0, "seed": 6, "n": 3, "stop": [","], "ignore_eos": True}
+    computed, params_n = "labsupport:prompt_tokens_computed_total", "labsupport:request_params_n_sum"
+    before = {name: metric(server.url, name) for name in (computed, params_n)}
+    ours, ref = (httpx.post(s.url + CHAT, json=chat, timeout=120).json() for s in (server, in_process))
+    assert [c["index"] for c in ours["choices"]] == [0, 1, 2]
+    assert ours["choices"] == ref["choices"] and ours["usage"] == ref["usage"]
+    assert len({c["message"]["content"] for c in ours["choices"]}) == 3  # seeds 6, 7, 8
+    # with these seeds sample 0 (the request itself) meets its stop string first: the others go on to the end
+    assert ours["choices"][0]["finish_reason"] == "stop" and ours["choices"][2]["finish_reason"] == "length", ours
+    assert all("," not in c["message"]["content"] for c in ours["choices"])
+    usage = ours["usage"]
+    assert metric(server.url, computed) - before[computed] == \
+        usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"] + 2
+    assert metric(server.url, params_n) - before[params_n] == 3  # one request of n = 3, observed in the core
+    assert joined(stream_chunks(server.url, chat)) == {i: c["message"]["content"] for i, c in enumerate(ref["choices"])}
+    text = {k: v for k, v in chat.items() if k != "messages"} | {"prompt": ["Once upon", "1, 2"], "n": 2}
+    a, b = (joined(stream_chunks(s.url, text, TEXT)) for s in (server, in_process))
+    assert a == b and sorted(a) == [0, 1, 2, 3]  # two prompts x two samples, prompt-major
+    wait_idle(server.url)
+
+
+def joined(chunks: list[dict]) -> dict[int, str]:
+    """A stream's text per choice index."""
+    texts = {}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + (c["text"] if "text" in c else c["delta"].get("content", ""))
+    return texts
+
+
+def test_hanging_up_on_n_samples_aborts_each_in_the_core(server):
+    aborted = 'labsupport:request_success_total{finished_reason="abort"}'
+    before = metric(server.url, aborted)
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 500,
+            "ignore_eos": True, "stream": True, "n": 4, "temperature": 1.0}
+    seen = set()
+    with httpx.stream("POST", server.url + CHAT, json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen |= {c["index"] for c in json.loads(line[len("data: "):])["choices"]}
+            if seen == {0, 1, 2, 3}:
+                break
+    wait_idle(server.url)
+    assert metric(server.url, aborted) - before == 4
+
+
 def test_burst_that_fits_the_free_slots_is_not_refused():
     """``max_waiting_requests`` counts requests that will wait for a slot, not a burst the free slots take at once."""
     client = EngineCoreClient({**OPTIONS, "max_num_seqs": 16}, "smol", max_waiting_requests=2)

@@ -93,7 +93,7 @@ def test_timings_are_recorded(llm):
     (lambda llm: llm.generate({"prompt_token_ids": []}, GREEDY), "empty"),
     (lambda llm: llm.generate("hi", SamplingParams(max_tokens=0)), "max_tokens"),
     (lambda llm: llm.generate("hi", SamplingParams(max_tokens=-3)), "max_tokens"),
-    (lambda llm: llm.generate("word " * 9000, GREEDY), "max_model_len"),
+    (lambda llm: llm.generate("word " * 9000, GREEDY), "maximum context length is 8192 tokens"),  # the server's words
     (lambda llm: llm.generate(["a", "b"], [GREEDY]), "SamplingParams"),
     (lambda llm: llm.generate({"text": "hi"}, GREEDY), "prompt"),
     (lambda llm: llm.generate({"prompt_token_ids": [10 ** 9]}, GREEDY), "token ids"),
@@ -110,7 +110,8 @@ def test_a_prompt_is_checked_once_on_its_way_in(llm, monkeypatch):
     checked = []
     limits = type(llm.engine.limits)
     original = limits.check_prompt
-    monkeypatch.setattr(limits, "check_prompt", lambda self, ids: (checked.append(list(ids)), original(self, ids)))
+    monkeypatch.setattr(limits, "check_prompt",
+                        lambda self, ids, *more: (checked.append(list(ids)), original(self, ids, *more))[1])
     llm.generate(["one", "two"], GREEDY, use_tqdm=False)
     assert len(checked) == 2
 

@@ -107,7 +107,8 @@ def test_counters_histograms_and_gauges_equal_the_engines_counts(llm):
         assert m[f"{PREFIX}{name}_count"] == 3, name
         assert m[f'{PREFIX}{name}_bucket{{le="+Inf"}}'] == 3, name
     assert m["labsupport:inter_token_latency_seconds_count"] == n_out - 3
-    assert m["labsupport:request_params_n_count"] == 0  # vLLM observes n only for parallel sampling
+    assert m["labsupport:request_params_n_count"] == m["labsupport:request_params_n_sum"] == 3  # n = 1, each once
+    assert m["labsupport:request_max_num_generation_tokens_sum"] == n_out
     assert m["labsupport:request_prompt_tokens_sum"] == n_prompt
     assert m["labsupport:request_generation_tokens_sum"] == n_out
     assert m["labsupport:request_prefill_kv_computed_tokens_sum"] == n_prompt
@@ -271,6 +272,25 @@ def test_a_fresh_server_reports_its_whole_pool_free_before_any_request(llm):
                        message="the server reports its free blocks")
         assert m["labsupport:kv_cache_free_blocks"] == llm.stats()["kv_blocks_total"] > 0
         assert m["labsupport:kv_cache_usage_perc"] == 0
+
+
+def test_n_is_observed_once_per_request_when_its_last_sample_finishes(llm):
+    """``request_params_n`` and ``request_max_num_generation_tokens`` (vLLM's parallel-sampling histograms), read
+    from a real server's ``/metrics``: one observation per HTTP request, its n samples' other histograms each."""
+    from labsupport.serve.api import create_app
+    from labsupport.serve.background import BackgroundServer
+    from server_tools import QUESTION, post, server_metrics
+    with BackgroundServer(create_app(llm, "smol")) as srv:
+        for n, max_tokens in ((3, 5), (1, 2)):
+            r = post(srv, {"model": "smol", "messages": QUESTION, "n": n, "max_tokens": max_tokens, "seed": 1,
+                           "ignore_eos": True})
+            assert r.status_code == 200 and len(r.json()["choices"]) == n, r.text
+        m = server_metrics(srv)
+    assert m["labsupport:request_params_n_count"] == 2 and m["labsupport:request_params_n_sum"] == 3 + 1
+    assert m['labsupport:request_params_n_bucket{le="2.0"}'] == 1  # the n = 1 request; n = 3 lies above 2
+    assert m["labsupport:request_max_num_generation_tokens_sum"] == 5 + 2
+    assert m["labsupport:request_success_total"] == 4  # each sample is a request, as vLLM's child requests are
+    assert m["labsupport:request_generation_tokens_sum"] == 3 * 5 + 2
 
 
 def test_servers_in_one_process_have_their_own_registries():

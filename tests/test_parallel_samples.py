@@ -80,3 +80,33 @@ def test_greedy_samples_with_prefix_caching_are_identical_and_leave_the_cache_so
     again = llm.generate(CHAT, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
     assert again.token_ids == first.token_ids and again.num_cached_tokens > 0
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+def test_samples_share_the_prompts_logprobs_computed_once(paged):
+    out = paged.generate(CHAT, SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=3, prompt_logprobs=1),
+                         use_tqdm=False)[0]
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids) and out.prompt_logprobs[0] is None
+    assert all(o.prompt_logprobs == out.prompt_logprobs for o in out.outputs[1:])
+
+
+def test_the_engine_limits_hold_the_rules_for_n_and_the_context(paged):
+    """One place for the rules the frontend checks before queueing and the engine trusts: ``EngineLimits``."""
+    limits = paged.engine.limits
+    assert limits.forks_samples and limits.max_num_seqs == 8
+    with pytest.raises(ValueError, match="n=9 samples .* max_num_seqs is 8"):
+        limits.check_params(sampled(1, n=9))
+    with paged.engine.options(max_num_seqs=16):  # read afresh: chapter 04's dial moves it
+        paged.engine.limits.check_params(sampled(1, n=9))
+    assert limits.output_budget(10) == limits.max_model_len - 10 and limits.output_budget(10, 5) == 5
+    with pytest.raises(ValueError, match="However, you requested") as too_long:
+        limits.check_prompt([1] * 10, limits.max_model_len)
+    assert too_long.value.field == "max_tokens"
+    with pytest.raises(ValueError, match="input tokens") as too_long:
+        limits.check_prompt([1] * limits.max_model_len)
+    assert too_long.value.field == "prompt"
+
+
+def test_sample_params_are_the_seed_plus_index_draw():
+    params = sampled(2**63 - 4, n=4)
+    assert [params.for_sample(i).seed for i in range(4)] == [2**63 - 4 + i for i in range(4)]
+    assert {params.for_sample(i).n for i in range(4)} == {1} and sampled(None, n=2).for_sample(1).seed is None

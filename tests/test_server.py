@@ -121,6 +121,30 @@ def test_odd_values_get_a_400_or_a_correct_answer(llm, server, extra):
     wait_idle_and_free(llm)
 
 
+def test_n_without_forking_is_n_requests_with_the_same_seeds():
+    """Contiguous KV cannot fork samples (they share the prompt's blocks): the server sends n requests instead,
+    seeded seed + i as the fork would be, so a client gets its n choices, the same ones, on any engine."""
+    contiguous = LLM(device="cpu", kv_cache="contiguous")
+    body = {"model": "smol", "messages": QUESTION, "max_tokens": 5, "temperature": 1.0, "seed": 11, "n": 3,
+            "ignore_eos": True}
+    with BackgroundServer(create_app(contiguous, "smol")) as srv:
+        whole = post(srv, body).json()
+        texts = [c["message"]["content"] for c in whole["choices"]]
+        assert [c["index"] for c in whole["choices"]] == [0, 1, 2] and len(set(texts)) == 3
+        assert texts == [post(srv, {**body, "n": 1, "seed": 11 + i}).json()["choices"][0]["message"]["content"]
+                         for i in range(3)]
+        assert whole["usage"]["prompt_tokens"] == 37 and whole["usage"]["completion_tokens"] == 15
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        streamed = {}
+        for chunk in chunks:
+            for c in chunk["choices"]:
+                streamed[c["index"]] = streamed.get(c["index"], "") + (c["delta"].get("content") or "")
+        assert streamed == dict(enumerate(texts))
+    assert not contiguous.engine.has_unfinished_requests()
+    contiguous.shutdown()
+
+
 def test_unknown_routes_and_methods_answer_openai_errors(server):
     r = httpx.get(server.url + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["code"] == 404

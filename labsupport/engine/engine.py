@@ -98,14 +98,6 @@ class LLMEngine:
             if need > self.kv.budget_bytes:
                 raise ValueError(f"this request reserves {need:,} bytes of KV (prompt + max_tokens), more than "
                                  f"kv_cache_memory_bytes={self.kv.budget_bytes:,}: lower max_tokens or raise the budget")
-        if params.n > 1:  # chapter 04: samples fork after the prompt and copy shared blocks on write
-            if not isinstance(self.kv, KVCacheManager) or params.kv_transfer_params is not None:
-                raise ValueError("n > 1 (parallel samples) needs kv_cache='paged' and no kv_transfer_params")
-            if self.speculator is not None:
-                raise ValueError("n > 1 (parallel samples) and speculative decoding do not go together here")
-            if params.n > self.config.max_num_seqs:
-                raise ValueError(f"n={params.n} samples need as many sequence slots: max_num_seqs is "
-                                 f"{self.config.max_num_seqs}")
         req = Request(prompt_token_ids, params, request_id, prompt, cache_salt, self.scheduler.lifecycle.eos_token_ids)
         if params.structured_outputs is not None:  # compiled here, in the engine: a failure is this request's error
             self.structured_outputs.add(req)
@@ -122,17 +114,18 @@ class LLMEngine:
         return EngineLimits(self.max_model_len, self.model.config.vocab_size, self.config.max_num_batched_tokens,
                             self.config.enable_chunked_prefill, self.kv.num_blocks if paged else None,
                             self.kv.block_size if paged else None, self.connector and self.connector.name,
-                            self.speculator is not None)
+                            self.speculator is not None, self.config.max_num_seqs)
 
     def check_params(self, params: SamplingParams):
-        """Raise ValueError for sampling parameters this engine cannot follow (``EngineLimits.check_params``;
-        SamplingParams checked the rest when it was made)."""
+        """Raise ValueError for sampling parameters this engine cannot follow (``EngineLimits.check_params``:
+        ``n > 1`` among them; SamplingParams checked the rest when it was made)."""
         self.limits.check_params(params)
 
-    def check_prompt(self, prompt_token_ids: list[int]):
-        """Raise ValueError, saying what to change, for a prompt this engine can never run."""
+    def check_prompt(self, prompt_token_ids: list[int], max_tokens: int | None = None) -> int:
+        """Raise ValueError, saying what to change, for a prompt this engine can never run; else the output
+        budget (``EngineLimits.check_prompt``)."""
         self.check_alive()
-        self.limits.check_prompt(prompt_token_ids)
+        return self.limits.check_prompt(prompt_token_ids, max_tokens)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -229,9 +222,12 @@ class LLMEngine:
             log.error("engine step failed (%s: %s); failing %d requests", type(exc).__name__, exc, len(victims))
         self.abort_requests(victims, "abort" if interrupted else "error")
 
-    def abort_requests(self, requests: list[Request], reason: str = "abort"):
-        """Finish requests now (a client went away, ``generate`` was interrupted): their memory is freed."""
-        for req in [*requests, *(sample for r in requests for sample in r.samples)]:  # n > 1: its samples too
+    def abort_requests(self, requests: list[Request], reason: str = "abort", with_samples: bool = True):
+        """Finish requests now (a client went away, ``generate`` was interrupted): their memory is freed.
+        An ``n > 1`` request's samples go with it, unless ``with_samples=False``: the engine core ends one
+        sample at its stop string (sample 0 is the request itself) while the others go on."""
+        samples = [sample for r in requests for sample in r.samples] if with_samples else []
+        for req in [*requests, *samples]:
             if not req.is_finished:
                 self.scheduler.lifecycle.finish(req, reason)
             self._forget(req)
@@ -277,14 +273,15 @@ class LLMEngine:
             self.speculator.release(req)
 
     @staticmethod
-    def output(req: Request) -> RequestOutput:
-        """The request as the API sees it; logprobs only for a request that asked for them."""
+    def output(req: Request, with_samples: bool = True) -> RequestOutput:
+        """The request as the API sees it; logprobs only for a request that asked for them. The server
+        streams each sample as a choice of its own, so it asks without the samples (``with_samples=False``)."""
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.text,
                              list(req.output_token_ids), req.finish_reason, req.metrics,
                              logprobs=None if req.params.logprobs is None else list(req.logprobs.output),
                              prompt_logprobs=None if req.logprobs.prompt is None else list(req.logprobs.prompt),
                              num_cached_tokens=req.num_cached_tokens, kv_transfer_params=req.remote_kv.transfer_params,
-                             samples=[LLMEngine.output(sample) for sample in req.samples])
+                             samples=[LLMEngine.output(sample) for sample in req.samples] if with_samples else [])
 
     def stats(self) -> dict:
         queues = self.scheduler.queues

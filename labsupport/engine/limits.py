@@ -6,6 +6,13 @@ what to change: found later, inside a step, it would fail the step's other reque
 the server's engine runs in a process of its own (``serve/engine_core.py``), the frontend that
 tokenizes and answers 400 has no engine to ask; the engine core sends it these limits once at
 start-up instead, and both sides call the same ``check_prompt``, so there is one rule.
+
+The length rule is said in vLLM's OpenAI-server wording ("This model's maximum context length is
+...", with both numbers): clients parse it to shorten and retry, so the offline ``LLM`` says the
+same. ``check_prompt(ids, max_tokens)`` also returns the output budget the server sends to the
+engine: the prompt is checked once, on its way in, and the engine trusts that check
+(``LLMEngine.add_request(prompt_checked=True)``). ``check_params`` holds the rules for the sampling
+parameters, ``n`` parallel samples among them (``forks_samples``).
 """
 from __future__ import annotations
 
@@ -13,6 +20,15 @@ from dataclasses import dataclass
 
 from .block_pool import blocks_needed
 from .kv_connector import connector_class
+
+
+class ContextLengthError(ValueError):
+    """The prompt, or the prompt with ``max_tokens``, does not fit the context. ``field`` says which to
+    shorten ("prompt" or "max_tokens"): the server names it as the 400's ``param``."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -25,21 +41,46 @@ class EngineLimits:
     block_size: int | None = None
     connector: str | None = None  # chapter 07: the KV connector's name (kv_connector.py); it takes kv_transfer_params
     speculative: bool = False  # chapter 09: speculative decoding is on
+    max_num_seqs: int | None = None  # sequence slots of a step (None: not counted here)
 
     @property
     def has_connector(self) -> bool:
         return self.connector is not None
 
-    def check_prompt(self, prompt_token_ids: list[int]):
-        """Raise ValueError, saying what to change, for a prompt this engine can never run."""
+    @property
+    def forks_samples(self) -> bool:
+        """Can ``n > 1`` run as one request whose samples fork after the prompt (chapter 04)? They share the
+        prompt's blocks, so the KV must be paged; a speculative step verifies one sequence's guesses, not
+        forked ones, so not with speculative decoding."""
+        return self.num_blocks is not None and not self.speculative
+
+    def output_budget(self, prompt_len: int, max_tokens: int | None = None) -> int:
+        """``max_tokens``, or with None what the context leaves after the prompt; ContextLengthError, in
+        vLLM's wording with both numbers, when the prompt (and ``max_tokens``) cannot fit."""
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise ContextLengthError(f"This model's maximum context length is {limit} tokens. However, your request "
+                                     f"has {prompt_len} input tokens. Please reduce the length of the input "
+                                     "messages.", "prompt")
+        if max_tokens is None:
+            return limit - prompt_len
+        if prompt_len + max_tokens > limit:
+            raise ContextLengthError(f"This model's maximum context length is {limit} tokens. However, you "
+                                     f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
+                                     f"{max_tokens} in the completion). Please reduce the length of the messages "
+                                     "or completion.", "max_tokens")
+        return max_tokens
+
+    def check_prompt(self, prompt_token_ids: list[int], max_tokens: int | None = None) -> int:
+        """Raise ValueError, saying what to change, for a prompt this engine can never run (with
+        ``max_tokens``, also one whose output cannot fit after it); else return the output budget
+        (``output_budget``)."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: give at least one token of text")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
             raise ValueError("prompt token ids must be integers")
         n = len(prompt_token_ids)
-        if n >= self.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens but max_model_len is {self.max_model_len}: shorten the "
-                             "prompt or raise max_model_len")
+        budget = self.output_budget(n, max_tokens)
         if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
             raise ValueError(f"the prompt has {n} tokens, more than max_num_batched_tokens="
                              f"{self.max_num_batched_tokens}: raise it or set enable_chunked_prefill=True")
@@ -48,6 +89,7 @@ class EngineLimits:
                              "raise num_blocks or kv_cache_memory_bytes, or shorten the prompt")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
+        return budget
 
     def check_params(self, params):
         """Raise ValueError for ``SamplingParams`` this engine cannot follow (the object checked the rest when
@@ -68,3 +110,12 @@ class EngineLimits:
             if not self.has_connector:
                 raise ValueError("kv_transfer_params needs an engine with a KV connector (kv_transfer_config)")
             connector_class(self.connector).check_params(params.kv_transfer_params)
+        if params.n > 1:  # chapter 04: samples fork after the prompt and copy shared blocks on write
+            if self.num_blocks is None or params.kv_transfer_params is not None:
+                raise ValueError("n > 1 (parallel samples) needs kv_cache='paged' and no kv_transfer_params")
+            if self.speculative:
+                raise ValueError("n > 1 (parallel samples) and speculative decoding do not go together here")
+            if self.max_num_seqs is not None and params.n > self.max_num_seqs:
+                raise ValueError(f"n={params.n} samples run together and need {params.n} sequence slots, but "
+                                 f"max_num_seqs is {self.max_num_seqs}: ask for n <= {self.max_num_seqs}, or send "
+                                 "several requests")

@@ -109,7 +109,7 @@ class SamplingParams:
             raise ValueError(f"n must be an integer in [1, {MAX_SAMPLES}] (samples of the prompt), got {self.n!r}")
         self.n = int(self.n)
         if self.seed is not None and self.seed + self.n - 1 > _INT64[1]:
-            raise ValueError(f"sample i is drawn with seed + i: seed + n - 1 must fit in 64 bits, got seed={self.seed}")
+            raise ValueError(f"seed + n - 1 must fit in 64 bits (sample i is drawn with seed + i), got seed={self.seed}")
         if self.max_tokens == 0 and self.n > 1:
             raise ValueError("max_tokens=0 scores the prompt only: n > 1 would give n copies of the same scores")
         self.presence_penalty, self.frequency_penalty, self.repetition_penalty = check_penalties(
@@ -120,6 +120,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The parameters of sample ``index`` of ``n``: one sample, drawn with seed ``seed + index`` (vLLM's
+        rule for parallel sampling: each sample's generator starts from the seed and its index), so seeded
+        samples are reproducible, differ from one another, and each equals a request alone with that seed."""
+        return dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
 
 class RequestStatus(enum.Enum):
@@ -172,6 +178,12 @@ _ids = itertools.count()
 
 def next_request_id() -> str:
     return str(next(_ids))
+
+
+def sample_request_id(request_id: str, index: int) -> str:
+    """The id of sample ``index`` of an ``n > 1`` request: the request's own for sample 0, ``index_requestid``
+    (vLLM's form) for the others. The server's choices are keyed by it."""
+    return request_id if index == 0 else f"{index}_{request_id}"
 
 
 @dataclass
@@ -265,12 +277,14 @@ class Request:
 
     def fork(self, index: int) -> "Request":
         """Sample ``index`` of an ``n > 1`` request: the same prompt, its own seed (``seed + index``, as
-        vLLM does, or every sample would be the same draw) and id (``index_parentid``, vLLM's form).
-        The caller gives it the prompt's KV (shared blocks) and puts it in the batch."""
-        seed = None if self.params.seed is None else self.params.seed + index
-        params = dataclasses.replace(self.params, n=1, seed=seed)
-        child = Request(self.prompt_token_ids, params, f"{index}_{self.request_id}", self.prompt, self.kv.cache_salt)
+        vLLM does, or every sample would be the same draw: ``SamplingParams.for_sample``) and id
+        (``sample_request_id``). The caller gives it the prompt's KV (shared blocks) and puts it in the
+        batch. The prompt's logprobs, computed once, are the sample's too (an echoing choice shows them)."""
+        child = Request(self.prompt_token_ids, self.params.for_sample(index), sample_request_id(self.request_id, index),
+                        self.prompt, self.kv.cache_salt)
         child.all_stop_token_ids = set(self.all_stop_token_ids)
+        if self.logprobs.prompt is not None:
+            child.logprobs.prompt = list(self.logprobs.prompt)
         child.metrics.arrival_time = self.metrics.arrival_time
         child.metrics.first_scheduled_time = self.metrics.first_scheduled_time
         child.num_cached_tokens = self.num_cached_tokens

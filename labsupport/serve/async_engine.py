@@ -10,7 +10,8 @@ The thread owns the engine exclusively; nothing else calls into it while the ser
 (``llm.generate`` on the same LLM at the same time would race it). The event loop talks to it
 through an inbox of typed messages (``AddRequest``, ``AbortRequest``) that the thread drains at
 the top of each iteration, and it sleeps on a ``threading.Event`` when it has nothing to do.
-Outputs go back to one ``RequestStream`` per HTTP request as ``Delivery`` items, all of a step's
+Outputs go back to one ``RequestStream`` per HTTP request as ``Delivery`` items, one per choice
+(an ``n > 1`` request's samples are choices of their own, keyed by ``sample_request_id``), all of a step's
 in one ``loop.call_soon_threadsafe`` (the only safe way to wake an event loop from another
 thread; one wake-up per step, not one per stream). Every output is cumulative (all the text and tokens so far), so a stream keeps only the
 latest of each request and a consumer that falls behind skips the rest.
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, NamedTuple
 
 from ..engine.plug_points import PlugPoint, PlugRegistry
-from ..engine.request import Request, RequestOutput
+from ..engine.request import Request, RequestOutput, sample_request_id
 from ..frontend import PreparedRequest
 from .request_stream import EngineUnavailableError, QueueFullError, RequestFailedError, RequestStream
 
@@ -48,8 +49,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class AddRequest:
-    """Event loop -> loop thread: run ``prepared`` as ``request_id``; its outputs go to ``stream`` (at ``index``:
-    one stream may carry several requests) on the event loop ``loop``."""
+    """Event loop -> loop thread: run ``prepared`` as ``request_id``; its outputs go to ``stream`` on the event
+    loop ``loop``, at ``index`` (one stream may carry several requests), its samples 1 .. n-1 after it."""
 
     prepared: PreparedRequest
     request_id: str
@@ -60,7 +61,8 @@ class AddRequest:
 
 @dataclass(frozen=True)
 class AbortRequest:
-    """Any thread -> loop thread: stop ``request_id`` and free its memory (a client went away)."""
+    """Any thread -> loop thread: stop ``request_id`` (a request, or one sample of one) and free its memory
+    (a client went away)."""
 
     request_id: str
 
@@ -82,6 +84,7 @@ class _Live:
     loop: asyncio.AbstractEventLoop
     stream: RequestStream
     index: int
+    forked: bool = False  # n > 1: its samples have forked and been given entries of their own
 
 
 class AsyncEngine:
@@ -104,11 +107,11 @@ class AsyncEngine:
         self.metrics = metrics
         self._lock = threading.RLock()  # guards the inbox and _closed; reentrant: RequestStream.__del__
         self._inbox: deque[AddRequest | AbortRequest] = deque()
-        self._queued = 0  # adds in the inbox: waiting, but not yet in the scheduler's queue
+        self._queued = 0  # sequences added to the inbox: waiting, but not yet in the scheduler's queue
         self._closed = False  # no more requests: shut down, or the loop died
         self._stopping = False
         self._wake = threading.Event()
-        self._live: dict[str, _Live] = {}  # loop thread only
+        self._live: dict[str, _Live] = {}  # loop thread only; by request id, a forked sample's too
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         if self.engine.connector is not None:
             self.engine.connector.transfer_listeners.append(self._wake.set)  # a finished KV transfer wakes the loop
@@ -163,20 +166,25 @@ class AsyncEngine:
 
     def submit(self, prepared: list[PreparedRequest], request_ids: list[str]) -> RequestStream:
         """Queue engine requests now (called on the event loop); raises before anything is queued if the
-        engine is unavailable or the waiting queue is full, so the server can still answer 503/429."""
+        engine is unavailable or the waiting queue is full, so the server can still answer 503/429. The
+        stream has a choice per sample: request ``k``'s ``n`` samples are consecutive indices."""
         self.start()
         loop = asyncio.get_running_loop()
-        stream = self.stream_class(self.abort, request_ids)
+        choice_ids = [sample_request_id(rid, i) for p, rid in zip(prepared, request_ids) for i in range(p.params.n)]
+        stream = self.stream_class(self.abort, choice_ids)
+        seqs = sum(p.params.n for p in prepared)  # each sample takes a sequence slot
         with self._lock:
             if self._closed:
                 raise EngineUnavailableError(self.unavailable_reason())
             limit = self.max_waiting_requests
-            if limit is not None and self._waiting_with(len(prepared)) > limit:
+            if limit is not None and self._waiting_with(seqs) > limit:
                 raise QueueFullError(f"the server is at capacity: {self.num_waiting} requests are waiting "
                                      f"(max_waiting_requests={limit}); retry later")
-            for index, (p, rid) in enumerate(zip(prepared, request_ids)):
+            index = 0
+            for p, rid in zip(prepared, request_ids):
                 self._inbox.append(AddRequest(p, rid, loop, stream, index))
-            self._queued += len(prepared)
+                index += p.params.n
+            self._queued += seqs
         self._wake.set()
         return stream
 
@@ -241,7 +249,7 @@ class AsyncEngine:
     def _drain_inbox(self):
         with self._lock:
             items, self._inbox = self._inbox, deque()
-            self._queued -= sum(isinstance(item, AddRequest) for item in items)
+            self._queued -= sum(item.prepared.params.n for item in items if isinstance(item, AddRequest))
         for item in items:
             if isinstance(item, AddRequest):
                 try:
@@ -254,8 +262,10 @@ class AsyncEngine:
             else:
                 live = self._live.pop(item.request_id, None)
                 if live is not None:
-                    self.engine.abort(live.req)
-                    self._finished(live.req)
+                    self.engine.abort(live.req)  # an n > 1 request's samples go with it
+                    for req in [live.req, *live.req.samples]:
+                        if req is live.req or self._live.pop(req.request_id, None) is not None:
+                            self._finished(req)
 
     def _step(self):
         steps_before = self.engine.num_steps
@@ -271,6 +281,7 @@ class AsyncEngine:
             self._hook("on_step", self.engine, got, self.engine.last_step)
         else:
             self._hook("on_step", self.engine, [], None)  # nothing ran, but blocks may have come back (aborts, PD)
+        self._add_forked_samples()
         moved = {r.request_id for r in got}
         outputs: dict[asyncio.AbstractEventLoop, list[Delivery]] = {}  # one hand-over per event loop and step
         for rid, live in list(self._live.items()):
@@ -279,21 +290,34 @@ class AsyncEngine:
                 self._finished(live.req)
                 item = self._final(live.req)
             elif rid in moved:
-                item = dataclasses.replace(self.engine.output(live.req), text=live.req.streamable_text())
+                item = dataclasses.replace(self.engine.output(live.req, with_samples=False),
+                                           text=live.req.streamable_text())
             else:
                 continue
-            outputs.setdefault(live.loop, []).append(Delivery(live.stream, live.index, item))
+            # an n > 1 request that ended before it forked (aborted, failed) ends its samples' choices too
+            choices = 1 if live.forked else live.req.params.n
+            outputs.setdefault(live.loop, []).extend(Delivery(live.stream, live.index + i, item)
+                                                     for i in range(choices))
         for loop, items in outputs.items():
             self.deliver(loop, items)
         if not ran and self._live:
             self._wake.wait(0.01)  # nothing could be scheduled now: do not spin
+
+    def _add_forked_samples(self):
+        """An ``n > 1`` request forks once its prompt is computed: each sample is a choice of its own from then
+        on (outputs, finish, abort), at the indices after the request's."""
+        for live in list(self._live.values()):
+            if live.req.samples and not live.forked:
+                live.forked = True
+                for i, sample in enumerate(live.req.samples, 1):
+                    self._live[sample.request_id] = _Live(sample, live.loop, live.stream, live.index + i, forked=True)
 
     def step_record(self, out) -> dict:
         return step_record(out, self._wall)
 
     def _final(self, req: Request):
         if req.finish_reason in ("stop", "length"):
-            return self.engine.output(req)
+            return self.engine.output(req, with_samples=False)
         why = "a step failed" if req.finish_reason == "error" else f"finish reason {req.finish_reason!r}"
         return RequestFailedError(f"the engine could not complete request {req.request_id}: {why}")
 

@@ -6,10 +6,19 @@ with both numbers, as vLLM says it), a full waiting queue (429), a server going 
 Only then does streaming begin; an error after that point is sent as an SSE ``error`` event
 followed by ``[DONE]``, which the ``openai`` client raises as an ``APIError``.
 
-``n`` choices of one prompt are ``n`` engine requests submitted together: they are admitted in
-the same step, so the prompt's full KV blocks are computed once and shared through the prefix
-cache. Their seeds differ (``seed + i``, as vLLM does) or every choice would be the same draw.
-A list of prompts (text completions) gives ``n`` choices per prompt, indexed prompt-major.
+``n`` choices of one prompt are one engine request with ``SamplingParams(n=n)``: its samples fork
+once the prompt is computed (chapter 04), so the prompt runs once and its blocks are shared,
+copied on write. Sample ``i`` is choice ``index`` i, streamed or not; usage counts the prompt
+once and sums the choices' tokens, as vLLM and OpenAI do. With a ``seed``, sample ``i`` draws from
+its own generator seeded with ``seed + i`` (``SamplingParams.for_sample``, vLLM's rule): the
+choices are reproducible and differ from one another, and each equals a request alone with that
+seed. Forked samples run together, so ``n`` above ``max_num_seqs`` is a 400 that names both.
+Where the engine cannot fork (contiguous KV, speculative decoding: ``EngineLimits.forks_samples``)
+the choices are ``n`` engine requests with those same seeds instead, queued like any others: a
+client asking for ``n`` gets ``n`` choices, and the same ones, whatever the server's configuration;
+only the prompt is computed ``n`` times (less its cached blocks). ``kv_transfer_params`` takes
+``n=1`` only: a PD hand-off moves one sequence's KV. A list of prompts (text completions) gives
+``n`` choices per prompt, indexed prompt-major.
 
 Streamed deltas are cut from cumulative outputs whose text the engine already holds back where
 a stop string might still begin or a character is still incomplete, so the deltas join to
@@ -23,6 +32,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from ..engine.limits import ContextLengthError
 from ..engine.request import SamplingParams
 from ..frontend import PreparedRequest
 from . import openai_format as fmt
@@ -32,24 +42,7 @@ from .structured import structured_outputs
 from .tools import check_tools, template_message, template_tools
 
 log = logging.getLogger(__name__)
-INT64 = 1 << 63
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for text completions
-
-
-def context_check(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
-    """The output budget, or a 400 stating both numbers (vLLM's wording, so clients' parsers work)."""
-    if prompt_len >= max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your request "
-                            f"has {prompt_len} input tokens. Please reduce the length of the input messages.",
-                       param="messages")
-    if max_tokens is None:
-        return max_model_len - prompt_len
-    if prompt_len + max_tokens > max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                            f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the "
-                            f"completion). Please reduce the length of the messages or completion.",
-                       param="max_tokens")
-    return max_tokens
 
 
 def context_error(max_model_len: int, at_least: int, chars: int) -> APIError:
@@ -74,12 +67,9 @@ def prompt_chars(body) -> int:
     return size(messages if messages is not None else getattr(body, "prompt", None))
 
 
-def sampling_params(body, max_tokens: int, vocab_size: int, seed_offset: int = 0,
-                    logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
-    """The engine's parameters for one choice; a value it refuses is a 400 saying why."""
-    seed = body.seed
-    if seed is not None and seed_offset and -INT64 <= seed < INT64:
-        seed = (seed + seed_offset + INT64) % (2 * INT64) - INT64  # wraps within int64, as a seed must stay
+def sampling_params(body, max_tokens: int, vocab_size: int, logprobs: int | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    """The engine's parameters for the body's ``n`` choices of one prompt; a value it refuses is a 400 saying why."""
     extras = {"top_k": min(body.top_k, vocab_size) if body.top_k > 0 else None, "min_tokens": body.min_tokens or None,
               "stop_token_ids": body.stop_token_ids, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
               "kv_transfer_params": body.kv_transfer_params, "presence_penalty": body.presence_penalty,
@@ -87,12 +77,17 @@ def sampling_params(body, max_tokens: int, vocab_size: int, seed_offset: int = 0
               "logit_bias": body.logit_bias, "structured_outputs": structured_outputs(body)}
     extras = {k: v for k, v in extras.items() if v is not None}  # only what was asked for
     try:
-        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=seed,
-                              stop=body.stop, ignore_eos=body.ignore_eos, **extras)
+        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                              stop=body.stop, ignore_eos=body.ignore_eos, n=body.n, **extras)
     except TypeError as exc:  # an engine without these options yet
         raise APIError(400, f"this engine does not support {sorted(extras)} yet ({exc})") from exc
     except ValueError as exc:
-        raise APIError(400, str(exc), param=next((k for k in extras if str(exc).startswith(k)), None)) from exc
+        raise APIError(400, str(exc), param=param_named(str(exc), ("seed", "n", *extras))) from exc
+
+
+def param_named(message: str, names) -> str | None:
+    """The body field an engine message is about: the one it starts with (``n=9 samples ...``, ``seed ...``)."""
+    return next((k for k in names if message.startswith(k) and message[len(k):len(k) + 1] in (" ", "=", "")), None)
 
 
 def sse(*payloads: str) -> bytes:
@@ -135,61 +130,73 @@ class Completion:
         if len(prompts) * body.n > MAX_CHOICES:
             raise APIError(400, f"{len(prompts)} prompts x n={body.n} choices is too many for one request "
                                 f"(max {MAX_CHOICES}): send several requests")
-        self.prepared: list[PreparedRequest] = []
+        self.requests: list[PreparedRequest] = []  # engine requests: one per prompt (n forked samples), or n
         for prompt in prompts:
-            self.prepared += self._prepare(prompt, cache_salt)
-        self.request_ids = [f"{self.id}-{i}" for i in range(len(self.prepared))]
+            self.requests += self._prepare(prompt, cache_salt)
+        self.request_ids = [f"{self.id}-{k}" for k in range(len(self.requests))]
+        # choice i's prompt and engine request: each engine request gives params.n choices, in order
+        self.prepared = [p for p in self.requests for _ in range(p.params.n)]
 
     def _prepare(self, prompt, cache_salt) -> list[PreparedRequest]:
         engine = self.frontend.engine
+        prompt_field = "messages" if self.chat else "prompt"
         try:
             if self.chat:
                 ids, text = self.frontend.chat_tokens(prompt, tools=template_tools(self.body))
             else:
                 ids, text = self.frontend.tokenize({"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt)
-            if not ids:
-                raise ValueError("the prompt is empty: give at least one token of text")
             limit = self.body.limit()
             if limit is None and not self.chat:
                 limit = DEFAULT_COMPLETION_MAX_TOKENS
             if limit == 0 and not self.echo:
                 raise APIError(400, "max_tokens must be at least 1 (0 only with echo=true on /v1/completions: the "
                                     "prompt and its logprobs come back and nothing is generated)", param="max_tokens")
-            max_tokens = context_check(len(ids), limit, engine.limits.max_model_len)
-            engine.check_prompt(ids)  # the engine's other rules (token range, batch budget, pool size)
+            max_tokens = engine.check_prompt(ids, limit)  # every prompt rule, once (EngineLimits.check_prompt)
+        except ContextLengthError as exc:
+            raise APIError(400, str(exc), param=prompt_field if exc.field == "prompt" else exc.field) from exc
         except ValueError as exc:
-            raise APIError(400, str(exc), param="messages" if self.chat else "prompt") from exc
+            raise APIError(400, str(exc), param=prompt_field) from exc
         if text is None and self.echo:
             text = self.frontend.tokenizer.decode(ids)
         first = PreparedRequest(ids, text, SamplingParams(), cache_salt)
-        vocab = engine.limits.vocab_size
+        limits = engine.limits
         prompt_logprobs = self.num_top if self.echo else None
         if max_tokens == 0 and prompt_logprobs is None:  # echo, max_tokens=0: a prompt-only engine request
             prompt_logprobs = 0
-        params = [sampling_params(self.body, max_tokens, vocab, i, self.num_top, prompt_logprobs)
-                  for i in range(self.body.n)]
-        for p in params:
+        params = sampling_params(self.body, max_tokens, limits.vocab_size, self.num_top, prompt_logprobs)
+        # n > 1 forks in the engine where it can; elsewhere n requests of one sample each, seeded as the fork
+        # would seed them (for_sample), so the choices are the same either way
+        choices = [params] if params.n == 1 or limits.forks_samples else [params.for_sample(i) for i in range(params.n)]
+        for p in choices:
             try:
-                engine.limits.check_params(p)  # the engine's rules for them (vocabulary, options it lacks)
+                limits.check_params(p)  # the engine's rules for them (vocabulary, n and the slots, options it lacks)
             except ValueError as exc:
-                raise APIError(400, str(exc)) from exc
+                raise APIError(400, str(exc), param=param_named(str(exc), ("n", "stop_token_ids", "logit_bias",
+                                                                           "kv_transfer_params"))) from exc
         return [self.frontend.with_params(first, p, use_result_cache=not self.body.skip_result_cache)
-                for p in params]
+                for p in choices]
 
     # ------------------------------------------------------------------ running
 
     def submit(self, engine):
         """Queue what the result cache did not answer; raises QueueFullError/EngineUnavailableError."""
-        self.outputs = {i: p.cached for i, p in enumerate(self.prepared) if p.cached is not None}
-        self.todo = [i for i in range(len(self.prepared)) if i not in self.outputs]
-        self.stream = engine.submit([self.prepared[i] for i in self.todo], [self.request_ids[i] for i in self.todo])
+        self.outputs, self.choice_of, todo = {}, [], []  # choice_of: the stream's index -> the choice's
+        first = 0  # the first choice of each engine request
+        for k, p in enumerate(self.requests):
+            if p.cached is not None:  # n = 1 only: a request of n > 1 samples is never looked up
+                self.outputs[first] = p.cached
+            else:
+                todo.append(k)
+                self.choice_of += range(first, first + p.params.n)
+            first += p.params.n
+        self.stream = engine.submit([self.requests[k] for k in todo], [self.request_ids[k] for k in todo])
 
     async def _batches(self):
         """``{choice index: latest output}``; cached answers first, all at once."""
         if self.outputs:
             yield dict(self.outputs)
         async for batch in self.stream:
-            batch = {self.todo[k]: out for k, out in batch.items()}
+            batch = {self.choice_of[k]: out for k, out in batch.items()}
             for i, out in batch.items():
                 self.outputs[i] = out
                 if out.finished and not out.cached:
@@ -214,7 +221,7 @@ class Completion:
                 choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason})
         answer = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                   "created": self.created, "model": self.model_name, "choices": choices, "usage": self._usage()}
-        if self.body.kv_transfer_params is not None:  # PD: where the decode worker fetches this prompt's KV
+        if self.body.kv_transfer_params is not None:  # PD (n = 1): where the decode worker fetches this prompt's KV
             answer["kv_transfer_params"] = self.outputs[0].kv_transfer_params
         return answer
 

@@ -8,7 +8,9 @@ and ``/pd/timeline`` — so ``api.py`` serves either. What differs is where the 
 * this process keeps the text work: it tokenized the prompt before ``submit``, and here it turns each
   step's new token ids into text (one ``IncrementalDetokenizer`` per request, as the engine does
   in-process), finds stop strings (and tells the core to stop that request, with the tokens to keep),
-  and builds the cumulative ``RequestOutput`` the streams hold.
+  and builds the cumulative ``RequestOutput`` the streams hold. An ``n > 1`` request is one
+  ``AddRequest``; its samples are tracked here as choices of their own from the start, under the ids
+  the core reports them by (``sample_request_id``), each with its own detokenizer and stop strings.
 
 Messages are batched both ways: every ``submit`` and ``abort`` of one event-loop tick leaves in one
 ``CoreInput`` (``_flush`` runs once per tick), and each core step arrives as one ``CoreOutputs``.
@@ -36,7 +38,7 @@ import zmq
 from .. import procs
 from ..engine.detokenizer import IncrementalDetokenizer, catch_up
 from ..engine.limits import EngineLimits
-from ..engine.request import RequestMetrics, RequestOutput
+from ..engine.request import RequestMetrics, RequestOutput, sample_request_id
 from ..engine.stopping import streamable
 from ..frontend import Frontend, PreparedRequest
 from .engine_core import CoreSpec, run_engine_core
@@ -62,13 +64,14 @@ class RemoteEngine:
         self.tokenizer, self.limits = tokenizer, limits
         self.max_model_len = limits.max_model_len
 
-    def check_prompt(self, prompt_token_ids: list[int]):
-        self.limits.check_prompt(prompt_token_ids)
+    def check_prompt(self, prompt_token_ids: list[int], max_tokens: int | None = None) -> int:
+        return self.limits.check_prompt(prompt_token_ids, max_tokens)
 
 
 @dataclass
 class _Track:
-    """A request in flight, frontend side: its text so far and where its outputs go."""
+    """A request (or one sample of an ``n > 1`` request) in flight, frontend side: its text so far and where
+    its outputs go."""
 
     stream: RequestStream
     index: int
@@ -119,7 +122,7 @@ class EngineCoreClient:
         model_name = os.path.basename(ready.model_path.rstrip("/"))
         self.frontend = Frontend(RemoteEngine(tokenizer, self.limits), model_name, result_cache)
         self.model_name = served_model_name or model_name
-        self._live: dict[str, _Track] = {}
+        self._live: dict[str, _Track] = {}  # by request id, each sample's too
         self._pending = CoreInput()
         self._flush_scheduled = False
         self._calls: dict[int, asyncio.Future] = {}
@@ -174,21 +177,26 @@ class EngineCoreClient:
         return max(queued, len(self._live) + new - self.max_num_seqs, 0)
 
     def submit(self, prepared: list[PreparedRequest], request_ids: list[str]) -> RequestStream:
-        """Send engine requests to the core (on the event loop); raises 503/429 errors before anything is sent."""
+        """Send engine requests to the core (on the event loop); raises 503/429 errors before anything is sent.
+        The stream has a choice per sample: request ``k``'s ``n`` samples are consecutive indices."""
         self.start()
         if self._closed or not self.process.is_alive():
             raise EngineUnavailableError(self.unavailable_reason())
         limit = self.max_waiting_requests
-        if limit is not None and self._waiting_with(len(prepared)) > limit:
+        if limit is not None and self._waiting_with(sum(p.params.n for p in prepared)) > limit:
             raise QueueFullError(f"the server is at capacity: {self.num_waiting} requests are waiting "
                                  f"(max_waiting_requests={limit}); retry later")
-        stream = RequestStream(self.abort, request_ids)
+        choice_ids = [sample_request_id(rid, i) for p, rid in zip(prepared, request_ids) for i in range(p.params.n)]
+        stream = RequestStream(self.abort, choice_ids)
         now = time.perf_counter()
-        for index, (p, rid) in enumerate(zip(prepared, request_ids)):
-            detok = IncrementalDetokenizer(self.frontend.tokenizer, p.prompt_token_ids, p.params.stop,
-                                           p.params.min_tokens)
-            self._live[rid] = _Track(stream, index, p, detok, RequestMetrics(arrival_time=now),
-                                     logprobs=None if p.params.logprobs is None else [])
+        index = 0
+        for p, rid in zip(prepared, request_ids):
+            for i in range(p.params.n):
+                detok = IncrementalDetokenizer(self.frontend.tokenizer, p.prompt_token_ids, p.params.stop,
+                                               p.params.min_tokens)
+                self._live[choice_ids[index]] = _Track(stream, index, p, detok, RequestMetrics(arrival_time=now),
+                                                       logprobs=None if p.params.logprobs is None else [])
+                index += 1
             self._pending.adds.append(AddRequest(rid, p.prompt_token_ids, dataclasses.asdict(p.params),
                                                  p.cache_salt, now))
         self._schedule_flush()
@@ -314,8 +322,9 @@ class EngineCoreClient:
         track = self._live.get(delta.request_id)
         if track is None:
             return  # ended here already (aborted, or stopped at a stop string)
-        if delta.error is not None:
-            del self._live[delta.request_id]
+        if delta.error is not None:  # the core refused the request: none of its samples will run either
+            for i in range(track.prepared.params.n):
+                self._live.pop(sample_request_id(delta.request_id, i), None)
             track.stream.put(track.index, RequestFailedError(f"the engine refused request {delta.request_id}: "
                                                              f"{delta.error}"))
             return

@@ -8,7 +8,9 @@ text work. They exchange one message per turn each way (``messages.py``) over Ze
 
 * in: everything the frontend gathered since the last turn (new requests as token ids, requests to
   end, questions such as ``/metrics``), drained between steps;
-* out: after each step, every request's new token ids (and logprobs, and how it ended).
+* out: after each step, every request's new token ids (and logprobs, and how it ended). An ``n > 1``
+  request's samples, once forked, are reported and ended each under its own id (``sample_request_id``),
+  as the frontend keys its choices.
 
 The loop never waits while it has requests; idle, it sleeps in ``poll`` until the frontend writes.
 The core lives only as long as its frontend: it asks the kernel for a signal when its parent dies,
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from ..engine.request import sample_request_id
 from ..procs import die_with_parent
 from .async_engine import step_record, timeline
 from .messages import Answer, Call, CoreInput, CoreOutputs, Failed, FinishRequest, Ready, RequestDelta
@@ -94,6 +97,7 @@ class _Track:
     tokens: int = 0
     logprobs: int = 0
     started: bool = False  # its first delta (first scheduled time, prompt logprobs) went out
+    forked: bool = False  # n > 1: its samples have forked and have tracks of their own
 
 
 class EngineCore:
@@ -102,7 +106,7 @@ class EngineCore:
     def __init__(self, engine, inbox, outbox, metrics=None):
         self.engine, self.inbox, self.outbox, self.metrics = engine, inbox, outbox, metrics
         self.encoder, self.decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(CoreInput)
-        self.live: dict[str, _Track] = {}
+        self.live: dict[str, _Track] = {}  # by request id, a forked sample's too
         self.answers: list[Answer] = []
         self.stopping = False
         self.step_log: deque = deque(maxlen=4096)  # recent steps in wall-clock time (chapter 07's timeline)
@@ -166,8 +170,12 @@ class EngineCore:
         req = track.req
         if finish.keep_tokens is not None:  # the frontend found a stop string: the tokens past it never were
             self.engine.scheduler.lifecycle.drop_tokens_after(req, finish.keep_tokens)
-        self.engine.abort_requests([req], finish.reason)
+        stopped = finish.reason == "stop"  # one sample's stop string ends that sample; an abort ends them all
+        self.engine.abort_requests([req], finish.reason, with_samples=not stopped)
         self._hook("on_finished", req)
+        for sample in [] if stopped else req.samples:
+            if self.live.pop(sample.request_id, None) is not None:
+                self._hook("on_finished", sample)
 
     def _answer(self, call: Call) -> Answer:
         try:
@@ -199,11 +207,18 @@ class EngineCore:
         deltas = []
         for rid, track in list(self.live.items()):
             req = track.req
+            if req.samples and not track.forked:  # n > 1 forked this step: each sample is reported on its own
+                track.forked = True
+                self.live.update((s.request_id, _Track(s, forked=True)) for s in req.samples)
             if len(req.output_token_ids) > track.tokens or req.is_finished:
                 deltas.append(self._delta(track))
                 if req.is_finished:
                     del self.live[rid]
                     self._hook("on_finished", req)
+                    if not track.forked:  # ended before it forked (aborted, failed): so did its samples
+                        deltas += [RequestDelta(sample_request_id(rid, i), finish_reason=req.finish_reason,
+                                                finished_time=req.metrics.finished_time)
+                                   for i in range(1, req.params.n)]
         if ran or deltas:
             queues = engine.scheduler.queues
             waiting = len(queues.waiting) + sum(not r.is_finished for r in queues.loading.values())

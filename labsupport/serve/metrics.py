@@ -14,7 +14,11 @@ The values mean what vLLM's mean: ``prompt_tokens_total`` counts each request's 
 when its first token comes out (cached tokens included); the prefix-cache counters count tokens
 at a request's first admission (a preempted request finding its own blocks again is not a hit);
 the request histograms are observed when the request finishes (``on_finished``), the
-time-to-first-token and inter-token histograms as each token comes out (``on_step``). Our own
+time-to-first-token and inter-token histograms as each token comes out (``on_step``). An ``n > 1``
+request's samples are requests of their own here, as vLLM's child requests are, except for
+``request_params_n`` and ``request_max_num_generation_tokens``: those are observed once per request
+(``n``, and the most tokens any of its samples generated) when its last sample finishes, as vLLM
+observes them (for ``n = 1`` too: 1, and its own tokens). Our own
 additions, which vLLM does not have: ``labsupport:prompt_tokens_computed_total`` (prompt tokens
 actually run through the model: cache hits excluded, recomputation after a preemption counted
 again: the work prefix caching saves) and ``labsupport:kv_cache_free_blocks``.
@@ -86,6 +90,8 @@ class ServerMetrics:
         self._last_step = None  # the last SchedulerOutput counted: an idle step's stale one is not counted twice
         self._engine = None  # the engine of the last on_step: on_finished refreshes the gauges from it
         self._finished: weakref.WeakSet = weakref.WeakSet()  # requests already counted by on_finished
+        self._parent_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a forked sample -> its request
+        self._families: weakref.WeakSet = weakref.WeakSet()  # requests whose n was observed (all samples done)
         self._warned_len = False
         self._connector_seen: dict[str, int] = {}  # connector totals already counted
         self._spec_seen: dict = {}  # the engine's spec-decode totals already counted
@@ -121,6 +127,7 @@ class ServerMetrics:
                 self._count_hit_sources(req)
         prompt = cached = 0
         for req in requests_with_new_token:
+            self._note_samples(req)
             times = req.metrics.token_times
             prompt_only = not req.output_token_ids and getattr(req.params, "max_tokens", 1) == 0  # scored, no token
             if len(req.output_token_ids) == 1 or prompt_only:  # its first token (or none to come): the prefill is done
@@ -205,6 +212,22 @@ class ServerMetrics:
         g["kv_cache_usage_perc"].set(1 - free / total if total else 0.0)
         g["kv_cache_free_blocks"].set(free)
 
+    def _note_samples(self, req):
+        """Remember which request a forked sample belongs to (it forks in the step of its request's first token)."""
+        for sample in getattr(req, "samples", ()):
+            self._parent_of.setdefault(sample, req)
+
+    def _observe_family(self, request):
+        """``request_params_n`` and ``request_max_num_generation_tokens``, once the request and all its samples
+        have finished (a request that ended before it forked has no samples to wait for)."""
+        parent = self._parent_of.get(request, request)
+        family = [parent, *getattr(parent, "samples", ())]
+        if parent in self._families or any(r.finish_reason is None for r in family):
+            return
+        self._families.add(parent)
+        self.histograms["request_params_n"].observe(getattr(parent.params, "n", 1))
+        self.histograms["request_max_num_generation_tokens"].observe(max(len(r.output_token_ids) for r in family))
+
     def on_finished(self, request):
         """Once per finished request (done, stopped, aborted, failed); a second call is ignored. The
         gauges are refreshed too: a request aborted between steps leaves no step behind to do it."""
@@ -216,6 +239,8 @@ class ServerMetrics:
         if request in self._finished:
             return
         self._finished.add(request)
+        self._note_samples(request)
+        self._observe_family(request)
         m = request.metrics
         end = m.finished_time if m.finished_time is not None else time.perf_counter()
         scheduled, first = m.first_scheduled_time, m.first_token_time

@@ -114,7 +114,7 @@ HISTOGRAMS = {  # name -> (help, buckets; None: the request-token series up to m
     "request_num_preemptions": ("Histogram of the number of times a request was preempted.",
                                 REQUEST_NUM_PREEMPTIONS_BUCKETS),
     "request_params_max_tokens": ("Histogram of the max_tokens request parameter.", None),
-    # vLLM observes these two only for parallel sampling (n > 1), which we do not offer: always empty
+    # once per request when its last sample finishes (n = 1 too), as vLLM observes them for parallel sampling
     "request_params_n": ("Histogram of the n request parameter.", REQUEST_PARAMS_N_BUCKETS),
     "request_max_num_generation_tokens": ("Histogram of maximum number of requested generation tokens.", None),
     "iteration_tokens_total": ("Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS),
