@@ -49,6 +49,7 @@ class PreparedRequest:
     cache_salt: str | None = None
     cache_key: str | None = None  # set when the result cache may answer or store this request
     cached: RequestOutput | None = None  # the result cache's answer: the engine is not needed
+    priority: int = 0  # scheduling_policy="priority": smaller is served first (checked by prepare)
 
 
 class Frontend:
@@ -84,7 +85,7 @@ class Frontend:
         raise ValueError(f"a prompt is a string, a chat message list or a dict, not {type(prompt).__name__}")
 
     def prepare(self, prompt, params: SamplingParams | None = None, cache_salt: str | None = None,
-                use_result_cache: bool = True) -> PreparedRequest:
+                use_result_cache: bool = True, priority: int = 0) -> PreparedRequest:
         """Tokenize and check; raises ValueError, saying what to change, before anything is queued."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -92,9 +93,11 @@ class Frontend:
         ids, text = self.tokenize(prompt)
         self.engine.check_prompt(ids)
         self.engine.check_params(params)
+        self.engine.limits.check_priority(priority)
         if isinstance(prompt, dict) and cache_salt is None:
             cache_salt = prompt.get("cache_salt")
-        return self.with_params(PreparedRequest(ids, text, params, cache_salt), params, use_result_cache)
+        prepared = PreparedRequest(ids, text, params, cache_salt, priority=int(priority))
+        return self.with_params(prepared, params, use_result_cache)
 
     def chat_tokens(self, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None
                     ) -> tuple[list[int], str]:
@@ -111,7 +114,8 @@ class Frontend:
         """The same checked prompt with other sampling parameters (the server's choices where the engine
         cannot fork ``n`` samples differ by seed), looked up in the result cache afresh: tokenized and
         checked once, asked several times."""
-        again = PreparedRequest(prepared.prompt_token_ids, prepared.prompt, params, prepared.cache_salt)
+        again = PreparedRequest(prepared.prompt_token_ids, prepared.prompt, params, prepared.cache_salt,
+                                priority=prepared.priority)
         if self.result_cache is not None and use_result_cache and is_deterministic(params):
             again.cache_key = result_key(self.model_name, again.prompt_token_ids, params, again.cache_salt)
             hit = self.result_cache.get(again.cache_key)
@@ -121,7 +125,7 @@ class Frontend:
     def submit(self, prepared: PreparedRequest, request_id: str | None = None) -> Request:
         return self.engine.add_request(prepared.prompt_token_ids, prepared.params, request_id=request_id,
                                        prompt=prepared.prompt, cache_salt=prepared.cache_salt,
-                                       prompt_checked=True)  # prepare() checked it
+                                       prompt_checked=True, priority=prepared.priority)  # prepare() checked it
 
     def complete(self, prepared: PreparedRequest, req: Request) -> RequestOutput:
         """The finished request's output; a complete deterministic answer goes into the result cache."""

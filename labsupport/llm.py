@@ -46,8 +46,10 @@ class LLM:
         return self.frontend.tokenize(prompt)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, use_result_cache: bool = True) -> list[RequestOutput]:
-        """Run the prompts to completion and return their outputs in order.
+                 use_tqdm: bool = True, use_result_cache: bool = True,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
+        """Run the prompts to completion and return their outputs in order. ``priority``: one per prompt, as
+        vLLM's ``LLM.generate`` takes it; only with ``scheduling_policy="priority"`` (smaller first).
 
         Every prompt is checked before any is queued, so a bad one loses nothing. If the call
         raises or is interrupted (the notebook's stop button), the requests it added are aborted
@@ -61,11 +63,11 @@ class LLM:
                 "(behind create_app / `python -m labsupport serve`) batches them all in one engine loop; or give "
                 "each thread its own LLM (they share the weights)")
         try:
-            return self._generate(prompts, sampling_params, use_tqdm, use_result_cache)
+            return self._generate(prompts, sampling_params, use_tqdm, use_result_cache, priority)
         finally:
             self._generating.release()
 
-    def _generate(self, prompts, sampling_params, use_tqdm, use_result_cache) -> list[RequestOutput]:
+    def _generate(self, prompts, sampling_params, use_tqdm, use_result_cache, priority) -> list[RequestOutput]:
         self.engine.check_alive()
         single = isinstance(prompts, (str, dict)) or is_chat(prompts)
         prompts = [prompts] if single else list(prompts)
@@ -75,7 +77,11 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams: give one, or one per prompt")
-        prepared = [self.frontend.prepare(p, sp, use_result_cache=use_result_cache) for p, sp in zip(prompts, params)]
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities: give one per prompt")
+        prepared = [self.frontend.prepare(p, sp, use_result_cache=use_result_cache, priority=pr)
+                    for p, sp, pr in zip(prompts, params, priority)]
         requests = []
         try:
             requests = [None if p.cached else self.frontend.submit(p) for p in prepared]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .request_queue import POLICIES
+
 CPU_KV_CACHE_BYTES = 1 << 30  # the default KV budget on the CPU (on a GPU: gpu_memory_utilization)
 
 RUNTIME_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
@@ -52,7 +54,8 @@ class EngineConfig:
     # takes 1 + c / chunk_cost_context of the step's token budget (Scheduler.step_cost): late in a long prompt its
     # attention, not its products, is what makes a step long, so a late chunk is smaller. "auto" (the server's
     # default): from the model's widths (build.chunk_cost_context). Without chunked prefill it does nothing
-    scheduling_policy: str = "continuous"  # or "static": the baseline of chapter 04
+    scheduling_policy: str = "continuous"  # first come, first served (vLLM's "fcfs"); "static": the baseline of
+    # chapter 04; "priority": vLLM's, a request's priority (add_request) first, then its arrival (request_queue.py)
     enforce_eager: bool = False  # True: every layer from Python; else a GPU replays decode steps from CUDA graphs
     # (kernels/cuda_graphs.py) and a CPU runs small float32 decode steps a C++ call a layer (kernels/cpu_decode_layers.py)
     kv_transfer_config: dict | None = None  # chapter 07: a KV connector, as vLLM's --kv-transfer-config
@@ -66,8 +69,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.kv_cache not in ("paged", "contiguous", "none"):
             raise ValueError(f"kv_cache must be 'paged', 'contiguous' or 'none', got {self.kv_cache!r}")
-        if self.scheduling_policy not in ("continuous", "static"):
-            raise ValueError(f"scheduling_policy must be 'continuous' or 'static', got {self.scheduling_policy!r}")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
         non_negative = ("cpu_offload_blocks", "long_prefill_token_threshold", "chunk_cost_context")
         optional = ("num_blocks", "max_model_len", "kv_cache_memory_bytes")  # None: the engine picks
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size") + non_negative + optional:

@@ -82,10 +82,14 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, prompt: str | None = None,
-                    cache_salt: str | None = None, prompt_checked: bool = False) -> Request:
+                    cache_salt: str | None = None, prompt_checked: bool = False, priority: int = 0) -> Request:
         """Queue a request; raises ValueError, saying what to change, for one this engine cannot run.
         ``prompt_checked``: the caller ran ``check_prompt`` on this engine already (``Frontend.prepare``
-        does, before anything is queued), so the prompt is checked once on its way in."""
+        does, before anything is queued), so the prompt is checked once on its way in. ``priority``: with
+        ``scheduling_policy="priority"``, smaller is served first (ties: the earlier arrival); any other
+        policy refuses a priority other than 0 rather than ignore it. It is an argument here and a field of
+        the request, not a sampling parameter, as in vLLM (``LLMEngine.add_request(..., priority=0)``):
+        it says when the request runs, not what it generates."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if prompt_checked:
@@ -93,12 +97,14 @@ class LLMEngine:
         else:
             self.check_prompt(prompt_token_ids)
         self.check_params(params)
+        self.limits.check_priority(priority)
         if isinstance(self.kv, ContiguousKVManager) and self.kv.budget_bytes is not None:
             need = self.kv.reservation_bytes(len(prompt_token_ids), params.max_tokens)
             if need > self.kv.budget_bytes:
                 raise ValueError(f"this request reserves {need:,} bytes of KV (prompt + max_tokens), more than "
                                  f"kv_cache_memory_bytes={self.kv.budget_bytes:,}: lower max_tokens or raise the budget")
-        req = Request(prompt_token_ids, params, request_id, prompt, cache_salt, self.scheduler.lifecycle.eos_token_ids)
+        req = Request(prompt_token_ids, params, request_id, prompt, cache_salt, self.scheduler.lifecycle.eos_token_ids,
+                      int(priority))
         if params.structured_outputs is not None:  # compiled here, in the engine: a failure is this request's error
             self.structured_outputs.add(req)
         if self.config.detokenize:
@@ -114,7 +120,8 @@ class LLMEngine:
         return EngineLimits(self.max_model_len, self.model.config.vocab_size, self.config.max_num_batched_tokens,
                             self.config.enable_chunked_prefill, self.kv.num_blocks if paged else None,
                             self.kv.block_size if paged else None, self.connector and self.connector.name,
-                            self.speculator is not None, self.config.max_num_seqs)
+                            self.speculator is not None, self.config.max_num_seqs,
+                            self.config.scheduling_policy)
 
     def check_params(self, params: SamplingParams):
         """Raise ValueError for sampling parameters this engine cannot follow (``EngineLimits.check_params``:

@@ -16,6 +16,7 @@ parameters, ``n`` parallel samples among them (``forks_samples``).
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from .block_pool import blocks_needed
@@ -42,6 +43,7 @@ class EngineLimits:
     connector: str | None = None  # chapter 07: the KV connector's name (kv_connector.py); it takes kv_transfer_params
     speculative: bool = False  # chapter 09: speculative decoding is on
     max_num_seqs: int | None = None  # sequence slots of a step (None: not counted here)
+    scheduling_policy: str = "continuous"  # "priority": requests may carry a priority (check_priority)
 
     @property
     def has_connector(self) -> bool:
@@ -119,3 +121,18 @@ class EngineLimits:
                 raise ValueError(f"n={params.n} samples run together and need {params.n} sequence slots, but "
                                  f"max_num_seqs is {self.max_num_seqs}: ask for n <= {self.max_num_seqs}, or send "
                                  "several requests")
+
+    def check_priority(self, priority):
+        """Raise ValueError for a ``priority`` this engine would not honour: not a 64-bit integer, or not 0
+        while the policy ignores priorities. Silently serving it first come, first served would hide the
+        mistake, so vLLM refuses it too; the message starts with vLLM's own words (its v0 input processor
+        raised them, and 0.32's protocol still promises "Any priority other than 0 will raise an error if
+        the served model does not use priority scheduling"), so clients that match on them keep working."""
+        integer = isinstance(priority, numbers.Integral) and not isinstance(priority, bool)
+        if not integer or not -(1 << 63) <= priority < 1 << 63:
+            raise ValueError(f"priority must be an integer (a signed 64-bit one; smaller is served first), "
+                             f"got {priority!r}")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled. Start the engine "
+                             f"with scheduling_policy='priority' (serve: --scheduling-policy priority), or send "
+                             f"priority 0 (this one's policy is {self.scheduling_policy!r})")

@@ -238,8 +238,9 @@ class Request:
     (``lifecycle.py``) writes it as the request moves; the KV manager writes the ``kv`` part."""
 
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                 prompt: str | None = None, cache_salt: str | None = None, eos_token_ids=()):
+                 prompt: str | None = None, cache_salt: str | None = None, eos_token_ids=(), priority: int = 0):
         self.request_id = request_id if request_id is not None else next_request_id()
+        self.priority = priority  # scheduling_policy="priority": smaller first (vLLM's Request.priority)
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -281,7 +282,7 @@ class Request:
         (``sample_request_id``). The caller gives it the prompt's KV (shared blocks) and puts it in the
         batch. The prompt's logprobs, computed once, are the sample's too (an echoing choice shows them)."""
         child = Request(self.prompt_token_ids, self.params.for_sample(index), sample_request_id(self.request_id, index),
-                        self.prompt, self.kv.cache_salt)
+                        self.prompt, self.kv.cache_salt, priority=self.priority)
         child.all_stop_token_ids = set(self.all_stop_token_ids)
         if self.logprobs.prompt is not None:
             child.logprobs.prompt = list(self.logprobs.prompt)

@@ -10,6 +10,13 @@ are freed and it goes back to the front of the queue. Nothing crashes and nobody
 With chunked prefill, a prompt longer than what is left of the step's token budget is fed in
 chunks over several steps, sharing each step with the running decodes. ``scheduling_policy=
 "static"`` is chapter 04's baseline: a batch is admitted together and held until it has drained.
+``"priority"`` is vLLM's priority policy (chapter 05's online and offline work on one engine): the
+queue is ordered by (priority, arrival) instead (``request_queue.py``), and the running requests
+are visited in that order too, so the one preempted when memory runs out is the least urgent, newest
+one, vLLM's ``max(self.running, key=lambda r: (r.priority, r.arrival_time))``. (vLLM visits them in
+admission order, and when that victim was already scheduled this step it takes it back out of the
+step; visited most urgent first, the victim is always one not yet scheduled, and the budget, when it
+runs short, goes to the urgent ones first.)
 
 ``schedule()`` decides; ``lifecycle.update_from_output()`` is the only place a request moves forward
 after the model ran: computed tokens, the new token, full blocks offered to the prefix cache, and
@@ -35,6 +42,7 @@ from .kv_cache_manager import KVManager, PrefixHit
 from .lifecycle import RequestLifecycle, RequestQueues, SchedulerOutput
 from .plug_points import PlugPoint
 from .request import Request
+from .request_queue import PriorityQueue, priority_order, waiting_queue
 
 
 def chunk_rule(num_remaining: int, budget_left: int, enable_chunked_prefill: bool,
@@ -88,7 +96,7 @@ class Scheduler:
         self.kv = kv
         # where each request is (waiting, running, and chapter 07's loading and held): shared with the lifecycle,
         # which moves requests between them after each step
-        self.queues = RequestQueues()
+        self.queues = RequestQueues(waiting=waiting_queue(config.scheduling_policy))  # a deque, or by priority
         # what each step did to its requests, and how they leave (lifecycle.py): owned, handed what it works on
         spec = config.speculative_config  # chapter 09: the lifecycle counts the guesses it verifies
         self.lifecycle = RequestLifecycle(self.queues, kv, eos_token_ids, config.max_model_len, connector,
@@ -106,7 +114,7 @@ class Scheduler:
     # ``s.running`` (and ``s.admit``, ``s.preempt``), chapter 05's admission against the same, so they stay names
     # of the scheduler; they are the lists in ``self.queues``, never copies, so the lifecycle sees every change.
     @property
-    def waiting(self) -> deque[Request]:
+    def waiting(self) -> deque[Request] | PriorityQueue:  # by scheduling_policy (request_queue.py)
         return self.queues.waiting
 
     @property
@@ -127,6 +135,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.preempted = []
+        self.queues.waiting = waiting_queue(self.config.scheduling_policy, self.waiting)  # the policy may change
         if self.connector is not None:
             self.lifecycle.poll_connector()
         out = self.schedule_fn(self) if self.schedule_fn is not None else self._schedule()
@@ -139,7 +148,9 @@ class Scheduler:
 
     def _schedule(self) -> SchedulerOutput:
         out, budget = SchedulerOutput(), self.config.max_num_batched_tokens
-        # 1. running requests first, oldest first: they hold KV memory and their users wait
+        if self.config.scheduling_policy == "priority":
+            self.running.sort(key=priority_order)       # the most urgent first, the first victim last (see below)
+        # 1. running requests first, oldest (by priority: most urgent) first: they hold KV memory, their users wait
         i = 0
         while i < len(self.running):
             req = self.running[i]
@@ -150,7 +161,7 @@ class Scheduler:
                 req.spec.drop()                         # drop guesses before preempting anyone
                 n = self.num_new_tokens(req, budget, out)
             while not self.kv.can_allocate(req, n) and self.running[-1] is not req:
-                self.preempt(self.running[-1])          # out of blocks: the newest goes back to the queue
+                self.preempt(self.running[-1])          # out of blocks: the newest (or least urgent) goes back
             if not self.kv.can_allocate(req, n):
                 self.preempt(req)                       # it was the newest itself
                 break
@@ -159,7 +170,7 @@ class Scheduler:
             i += 1
         if self.config.scheduling_policy == "static" and self.running:
             return out                                  # the baseline: nobody joins a batch in flight
-        # 2. then the queue, in arrival order, while a slot, the budget and the blocks allow
+        # 2. then the queue, in arrival order (or priority's), while a slot, the budget and the blocks allow
         while self.waiting and self.num_running_seqs() + self.waiting[0].num_seqs <= self.config.max_num_seqs:
             req = self.waiting[0]                       # (num_seqs: n for a request that will fork, else 1)
             if req.block_table:                         # its KV came from another engine (chapter 07)
@@ -243,7 +254,8 @@ class Scheduler:
         self.running.append(req)
 
     def preempt(self, req: Request):
-        """Recompute preemption: free the request's KV, requeue it first; its tokens so far are kept."""
+        """Recompute preemption: free the request's KV, requeue it first (by priority: at its place); its tokens
+        so far are kept."""
         self.running.remove(req)
         self.lifecycle.mark_preempted(req)
         self.num_preemptions += 1
