@@ -46,7 +46,8 @@ MODEL_FREE = {  # tier 0
     "test_saved_reports.py",
 }
 SERVERS = {  # tier 2
-    "test_api_input.py", "test_api_lifecycle.py", "test_api_openai.py", "test_api_surface.py", "test_bench.py",
+    "test_api_input.py", "test_api_lifecycle.py", "test_api_openai.py", "test_api_priority.py", "test_api_surface.py",
+    "test_bench.py",
     "test_capstone.py", "test_chat_cli.py", "test_course_table.py", "test_dashboard.py",
     "test_engine_core_process.py", "test_metrics.py", "test_pd.py", "test_pd_serving.py", "test_pd_timeline.py",
     "test_procs.py", "test_router.py", "test_serve_bench.py", "test_serve_compare.py", "test_serve_limits.py",

@@ -156,9 +156,13 @@ class Completion:
             raise APIError(400, str(exc), param=prompt_field if exc.field == "prompt" else exc.field) from exc
         except ValueError as exc:
             raise APIError(400, str(exc), param=prompt_field) from exc
+        try:
+            engine.limits.check_priority(self.body.priority)  # not 0 without the priority policy: refused, as vLLM
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="priority") from exc
         if text is None and self.echo:
             text = self.frontend.tokenizer.decode(ids)
-        first = PreparedRequest(ids, text, SamplingParams(), cache_salt)
+        first = PreparedRequest(ids, text, SamplingParams(), cache_salt, priority=self.body.priority)
         limits = engine.limits
         prompt_logprobs = self.num_top if self.echo else None
         if max_tokens == 0 and prompt_logprobs is None:  # echo, max_tokens=0: a prompt-only engine request

@@ -198,7 +198,7 @@ class EngineCoreClient:
                                                        logprobs=None if p.params.logprobs is None else [])
                 index += 1
             self._pending.adds.append(AddRequest(rid, p.prompt_token_ids, dataclasses.asdict(p.params),
-                                                 p.cache_salt, now))
+                                                 p.cache_salt, now, p.priority))
         self._schedule_flush()
         return stream
 

@@ -154,7 +154,7 @@ class EngineCore:
         from ..engine.request import SamplingParams
         try:
             req = self.engine.add_request(add.prompt_token_ids, SamplingParams(**add.params),
-                                          request_id=add.request_id, cache_salt=add.cache_salt)
+                                          request_id=add.request_id, cache_salt=add.cache_salt, priority=add.priority)
         except Exception as exc:  # the frontend checked first, so rare: say why, never die of it
             self._send(CoreOutputs(deltas=[RequestDelta(add.request_id, finish_reason="error",
                                                         error=f"{type(exc).__name__}: {exc}")]))

@@ -23,6 +23,7 @@ class AddRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     params: dict  # ``SamplingParams`` fields; the core makes (and so checks) the object again
     cache_salt: str | None = None
     arrival_time: float = 0.0  # the frontend's ``perf_counter()`` (one clock for both processes on Linux)
+    priority: int = 0  # scheduling_policy="priority": smaller first (vLLM's EngineCoreRequest.priority)
 
 
 class FinishRequest(msgspec.Struct, array_like=True, omit_defaults=True):

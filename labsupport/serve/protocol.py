@@ -1,11 +1,11 @@
 """The OpenAI request bodies the server accepts, as pydantic models, and the OpenAI error shape.
 
 Field names and defaults follow OpenAI's API and vLLM's extensions (``top_k``, ``min_tokens``,
-``stop_token_ids``, ``ignore_eos``, ``cache_salt``), so the official ``openai`` client and
-``vllm bench serve`` work unchanged. The models check *shapes* and *ranges*; the engine's own
-rules (``SamplingParams``, the prompt check) run afterwards and also answer 400. NaN and
-infinity are refused here (``allow_inf_nan=False``): JSON allows them as extensions, and a NaN
-temperature reaching the sampler would fail every request sharing its step. Types are strict
+``stop_token_ids``, ``ignore_eos``, ``cache_salt``, ``priority``), so the official ``openai`` client
+(``extra_body``) and ``vllm bench serve`` work unchanged. The models check *shapes* and *ranges*; the
+engine's own rules (``SamplingParams``, the prompt check, ``check_priority``) run afterwards and also
+answer 400. NaN and infinity are refused here (``allow_inf_nan=False``): JSON allows them as
+extensions, and a NaN temperature reaching the sampler would fail every request sharing its step. Types are strict
 (``strict=True``): ``"stream": "yes"``, ``"max_tokens": "4"`` or ``"prompt": [true, false]`` is a
 400, not a guess (an integer is still a valid float). A string anywhere in a body, keys included,
 must be valid Unicode text: JSON's ``"\\ud800"`` escape decodes to a lone surrogate, which no
@@ -144,6 +144,8 @@ class GenerationRequest(RequestBody):
     skip_result_cache: bool = False  # bypass the result cache for this request
     user: str | None = None  # accepted and ignored, as OpenAI's end-user id
     kv_transfer_params: dict | None = None  # PD (chapter 07): vLLM's field, set by the router
+    priority: int = Field(0, ge=-(1 << 63), lt=1 << 63)  # vLLM's: smaller is served first, with --scheduling-policy
+    # priority only (the route refuses another value than 0 under any other policy, in vLLM's words)
 
     @property
     def include_usage(self) -> bool:
