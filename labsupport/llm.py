@@ -47,9 +47,10 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, use_result_cache: bool = True,
-                 priority: list[int] | None = None) -> list[RequestOutput]:
-        """Run the prompts to completion and return their outputs in order. ``priority``: one per prompt, as
-        vLLM's ``LLM.generate`` takes it; only with ``scheduling_policy="priority"`` (smaller first).
+                 priority: int | list[int] | None = None) -> list[RequestOutput]:
+        """Run the prompts to completion and return their outputs in order. ``priority``: one for every prompt,
+        or one per prompt, as vLLM's ``LLM.generate`` takes it; only with ``scheduling_policy="priority"``
+        (smaller first).
 
         Every prompt is checked before any is queued, so a bad one loses nothing. If the call
         raises or is interrupted (the notebook's stop button), the requests it added are aborted
@@ -77,7 +78,7 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams: give one, or one per prompt")
-        priority = [0] * len(prompts) if priority is None else list(priority)
+        priority = [priority or 0] * len(prompts) if priority is None or isinstance(priority, int) else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities: give one per prompt")
         prepared = [self.frontend.prepare(p, sp, use_result_cache=use_result_cache, priority=pr)
