@@ -17,6 +17,7 @@ from test_engine_core import check_invariants, make_engine, reference_output
 from labsupport import LLM, SamplingParams
 from labsupport.engine.request import Request
 from labsupport.engine.request_queue import PriorityQueue, priority_order, waiting_queue
+from labsupport.experiments.online_offline import mixed_jobs, online_offline, report
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
@@ -145,6 +146,7 @@ def test_an_urgent_request_overtakes_the_queue_and_equals_keep_arrival_order():
     assert outs[1].metrics.first_token_time < outs[0].metrics.first_token_time
     with pytest.raises(ValueError, match="one per prompt"):
         llm.generate(prompts, GREEDY, use_tqdm=False, priority=[1])
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False, priority=2)] == [o.token_ids for o in outs]
 
 
 def preemption_run(policy: str):
@@ -186,3 +188,20 @@ def test_a_priority_is_refused_where_the_policy_would_ignore_it():
             e.add_request([1, 2, 3], GREEDY, priority=bad)
     with pytest.raises(ValueError, match="scheduling_policy must be one of"):
         LLM(device="cpu", scheduling_policy="fcfs")
+
+
+def test_priority_lowers_interactive_ttft_in_steps_and_changes_no_token():
+    """Chapter 05's experiment, small: walk-ins arriving while a batch of jobs fills the slots. Counted in engine
+    steps (deterministic), priority serves every walk-in sooner than first come first served does."""
+    llm = LLM(device="cpu")
+    jobs = mixed_jobs(num_interactive=4, interactive_prompt=8, interactive_tokens=4, mean_gap_steps=4, first_arrival=2,
+                      num_batch=8, batch_prompt=32, batch_tokens=(4, 10), seed=0)
+    results = online_offline(llm.engine, jobs, max_num_seqs=2)
+    alone, fcfs, prio = results.values()
+    assert alone["ttft_steps"] == [1] * 4  # an idle engine: the first token in the prompt's own step
+    assert max(prio["ttft_steps"]) < min(fcfs["ttft_steps"])
+    assert prio["batch_tokens"] == fcfs["batch_tokens"] == sum(j.max_tokens for j in jobs if not j.interactive)
+    assert prio["tokens"] == fcfs["tokens"]
+    assert llm.engine.config.scheduling_policy == "continuous" and llm.engine.config.max_num_seqs == 64  # restored
+    lines = report(results).splitlines()
+    assert len(lines) == 3 and "batch:" not in lines[0] and all("batch:" in line for line in lines[1:])
