@@ -91,10 +91,18 @@ MECHANISMS = [dict(zip(("mechanism", "chapter", "ours", "vllm", "differs"), (m, 
      "config/scheduler.py:SchedulerConfig.max_num_seqs config/scheduler.py:SchedulerConfig.max_num_batched_tokens",
      "vLLM picks defaults per device and usage context (EngineArgs.get_batch_defaults)"),
     ("Preemption by recompute", "04", "engine/scheduler.py:Scheduler.preempt", f"{SCHED}._preempt_request",
-     "both free the last running request's blocks and requeue it at the front; vLLM can also preempt by priority"),
+     "both free the last running request's blocks and requeue it at the front (with the priority policy: the least "
+     "urgent one's, requeued at its place)"),
     ("Chunked prefill", "05", "engine/scheduler.py:chunk_rule engine/config.py:EngineConfig.long_prefill_token_threshold",
      "config/scheduler.py:SchedulerConfig.enable_chunked_prefill config/scheduler.py:SchedulerConfig.long_prefill_token_threshold",
      "on by default in vLLM, off in ours; vLLM can adapt the threshold (long_prefill_token_threshold_adaptive)"),
+    ("Priority scheduling", "05", "engine/request_queue.py:PriorityQueue engine/request_queue.py:priority_order "
+     "engine/scheduler.py:Scheduler._schedule engine/limits.py:EngineLimits.check_priority",
+     "v1/core/sched/request_queue.py:PriorityRequestQueue v1/request.py:Request.__lt__ "
+     "config/scheduler.py:SchedulerConfig.policy",
+     "same order (priority, then arrival) and victim (the least urgent, newest running request); vLLM keeps a heap "
+     "and takes a victim already scheduled back out of its step, ours a sorted list, and visits the running most "
+     "urgent first; vLLM 0.32 no longer refuses a priority under fcfs, ours does, as its API docs promise"),
     ("CUDA graphs", "GPU", "kernels/cuda_graphs.py:DecodeGraphs kernels/cpu_decode_layers.py:CpuDecodeLayers",
      "v1/cudagraph_dispatcher.py:CudagraphDispatcher compilation/cuda_graph.py:CUDAGraphWrapper",
      "ours: full graphs of decode steps (on the CPU, one C++ call per layer instead); "
@@ -223,7 +231,6 @@ NOT_IN_OURS = [{"feature": f, "vllm": refs.split(), "what": what} for f, refs, w
      "v1/sample/logits_processor/builtin.py:LogitBiasLogitsProcessor", "repetition, frequency and presence penalties"),
     ("Tool calling and reasoning", "tool_parsers/abstract_tool_parser.py:ToolParser "
      "reasoning/abs_reasoning_parsers.py:ReasoningParser", "per-model parsers of the output"),
-    ("Priority scheduling", "config/scheduler.py:SchedulerConfig.policy", "priority instead of arrival order"),
     ("Sleep mode", "v1/engine/core.py:EngineCore.sleep", "weights and KV memory released, and taken back later"),
 ]]
 
