@@ -8,6 +8,7 @@ import httpx
 import msgspec
 import pytest
 from server_tools import assert_openai_error, post
+from waiting import wait_until
 
 from labsupport import LLM
 from labsupport.engine.limits import EngineLimits
@@ -40,11 +41,8 @@ def waiting(srv) -> float:
     return parse_metrics(httpx.get(srv.url + "/metrics", timeout=30).text)["labsupport:num_requests_waiting"]
 
 
-def wait_for_queue(srv, n: int, timeout: float = 120):
-    deadline = time.time() + timeout
-    while waiting(srv) != n:
-        assert time.time() < deadline, f"the queue never held {n} requests"
-        time.sleep(0.05)
+def wait_for_queue(srv, n: int):
+    wait_until(lambda: waiting(srv) == n, timeout=120, interval=0.05, message=f"the queue holds {n} requests")
 
 
 def test_waiting_requests_are_served_by_priority_not_arrival(priority_server):
