@@ -168,7 +168,7 @@ def test_prefix_cache_hits_on_a_repeated_prompt(small_cached_llm):
     assert m["labsupport:prefix_cache_queries_total"] == 2 * len(prompt) == done["prefix_cache_queries"]
     assert m["labsupport:prefix_cache_hits_total"] == hit == done["prefix_cache_hits"]
     assert m["labsupport:prompt_tokens_total"] == 2 * len(prompt)  # cached tokens included, as vLLM counts
-    assert m["labsupport:prompt_tokens_cached_total"] == hit == sum(r.num_cached_tokens for r in first + second)
+    assert m["labsupport:prompt_tokens_cached_total"] == hit == sum(r.metrics.num_cached_tokens for r in first + second)
     assert m["labsupport:prompt_tokens_computed_total"] == 2 * len(prompt) - hit == done["prompt_tokens_computed"]
     assert m['labsupport:prompt_tokens_by_source_total{source="local_cache_hit"}'] == hit
     assert m['labsupport:prompt_tokens_by_source_total{source="local_compute"}'] == 2 * len(prompt) - hit

@@ -287,7 +287,7 @@ class LLMEngine:
                              list(req.output_token_ids), req.finish_reason, req.metrics,
                              logprobs=None if req.params.logprobs is None else list(req.logprobs.output),
                              prompt_logprobs=None if req.logprobs.prompt is None else list(req.logprobs.prompt),
-                             num_cached_tokens=req.num_cached_tokens, kv_transfer_params=req.remote_kv.transfer_params,
+                             num_cached_tokens=req.metrics.num_cached_tokens, kv_transfer_params=req.remote_kv.transfer_params,
                              samples=[LLMEngine.output(sample) for sample in req.samples] if with_samples else [])
 
     def stats(self) -> dict:

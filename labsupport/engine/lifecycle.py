@@ -173,7 +173,7 @@ class RequestLifecycle:
         if hit is not None or not req.block_table:
             req.num_computed_tokens = self.kv.use_cached_prefix(req, hit) if hit is not None else 0
         if req.metrics.first_scheduled_time is None:  # usage reports the first admission's hit, not a re-admission's
-            req.num_cached_tokens = req.num_computed_tokens
+            req.metrics.num_cached_tokens = req.num_computed_tokens
         req.status = RequestStatus.RUNNING
         req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or time.perf_counter()
 

@@ -145,6 +145,7 @@ class RequestMetrics:
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0  # times its KV was freed to make room, and recomputed later
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache (or CPU tier) at its first admission
 
     @property
     def queueing_time(self) -> float | None:
@@ -250,7 +251,6 @@ class Request:
         self.finish_reason: str | None = None
         self.text = ""  # the output so far, detokenized incrementally by the engine
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
-        self.num_cached_tokens = 0  # prompt tokens reused from the prefix cache (or CPU tier) when first scheduled
         self.num_new_output_tokens = 0  # tokens the last step gave it (more than 1 with accepted guesses)
         # the tokens min_tokens keeps from being drawn: stop_token_ids, and EOS unless ignore_eos
         self.all_stop_token_ids: set[int] = set(params.stop_token_ids or ()) | (
@@ -288,7 +288,7 @@ class Request:
             child.logprobs.prompt = list(self.logprobs.prompt)
         child.metrics.arrival_time = self.metrics.arrival_time
         child.metrics.first_scheduled_time = self.metrics.first_scheduled_time
-        child.num_cached_tokens = self.num_cached_tokens
+        child.metrics.num_cached_tokens = self.metrics.num_cached_tokens
         return child
 
     @property

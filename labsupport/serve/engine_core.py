@@ -229,7 +229,7 @@ class EngineCore:
     def _delta(self, track: _Track) -> RequestDelta:
         req = track.req
         delta = RequestDelta(req.request_id, req.output_token_ids[track.tokens:],
-                             num_cached_tokens=req.num_cached_tokens)
+                             num_cached_tokens=req.metrics.num_cached_tokens)
         if req.params.logprobs is not None:
             delta.new_logprobs = req.logprobs.output[track.logprobs:]
             track.logprobs = len(req.logprobs.output)

@@ -123,7 +123,7 @@ class ServerMetrics:
             first_scheduled = req.metrics.first_scheduled_time
             if caching and first_scheduled is not None and first_scheduled >= out.start and req.num_preemptions == 0:
                 queries += len(req.prompt_token_ids)  # first admitted this step, as the engine counts
-                hits += req.num_cached_tokens
+                hits += req.metrics.num_cached_tokens
                 self._count_hit_sources(req)
         prompt = cached = 0
         for req in requests_with_new_token:
@@ -131,7 +131,7 @@ class ServerMetrics:
             times = req.metrics.token_times
             prompt_only = not req.output_token_ids and getattr(req.params, "max_tokens", 1) == 0  # scored, no token
             if len(req.output_token_ids) == 1 or prompt_only:  # its first token (or none to come): the prefill is done
-                p, c, ext = len(req.prompt_token_ids), req.num_cached_tokens, req.remote_kv.num_external_tokens
+                p, c, ext = len(req.prompt_token_ids), req.metrics.num_cached_tokens, req.remote_kv.num_external_tokens
                 prompt, cached = prompt + p, cached + c
                 self.labelled["prompt_tokens_by_source"]["local_compute"].inc(p - c)
                 self.labelled["prompt_tokens_by_source"]["local_cache_hit"].inc(c - ext)
@@ -174,7 +174,7 @@ class ServerMetrics:
         by_source = self.labelled["prompt_tokens_cached_by_source"]
         by_source["host"].inc(host)
         by_source["p2p"].inc(ext)
-        by_source["device"].inc(max(0, req.num_cached_tokens - host - ext))
+        by_source["device"].inc(max(0, req.metrics.num_cached_tokens - host - ext))
 
     def _set_cache_config(self, engine):
         """``cache_config_info``: set once, from the engine's configuration and pool."""
@@ -263,7 +263,7 @@ class ServerMetrics:
         h["request_prompt_tokens"].observe(n_prompt)
         h["request_generation_tokens"].observe(n_out)
         h["request_num_preemptions"].observe(request.num_preemptions)
-        h["request_prefill_kv_computed_tokens"].observe(n_prompt - request.num_cached_tokens)
+        h["request_prefill_kv_computed_tokens"].observe(n_prompt - request.metrics.num_cached_tokens)
         h["request_params_max_tokens"].observe(request.params.max_tokens)
         reasons = self.labelled["request_success"]
         if request.finish_reason not in reasons:  # not one of vLLM's: counted under its own name
