@@ -7,7 +7,7 @@ import time
 import httpx
 import msgspec
 import pytest
-from server_tools import assert_openai_error, post
+from server_tools import assert_openai_error, post, server_metrics
 from waiting import wait_until
 
 from labsupport import LLM
@@ -37,8 +37,7 @@ def fcfs_server(llm):
 
 
 def waiting(srv) -> float:
-    from labsupport.serve.metrics import parse_metrics
-    return parse_metrics(httpx.get(srv.url + "/metrics", timeout=30).text)["labsupport:num_requests_waiting"]
+    return server_metrics(srv)["labsupport:num_requests_waiting"]
 
 
 def wait_for_queue(srv, n: int):
