@@ -15,7 +15,9 @@ of cache the same way; this module adds only what a mixture of experts brings.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
+from importlib.resources import files
 
 import numpy as np
 
@@ -305,6 +307,34 @@ def expert_load_imbalance(num_experts: int, num_devices: int, top_k: int, skew: 
     against perfect balance: it grows with skew and with fewer experts per device (less averaging)."""
     return max_over_mean(device_loads(sample_expert_loads(num_experts, top_k, skew, tokens, seed, popularity),
                                       num_devices))
+
+
+def published_routing() -> dict:
+    """Expert-load statistics measured on a served model, as published (``data/moe_routing_published.json``
+    names the source, model, hardware and workload): the figures a Zipf skew is calibrated against, so the
+    explorer's slider starts from something a serving team saw rather than from a guess."""
+    return json.loads(files("labsupport.data").joinpath("moe_routing_published.json").read_text(encoding="utf-8"))
+
+
+def mean_imbalance(num_experts: int, num_devices: int, top_k: int, skew: float, tokens: int,
+                   seeds=range(8)) -> float:
+    """(max - mean) / mean device load averaged over draws: each seed puts the hot experts elsewhere, as
+    another layer would. This is the published "imbalance ratio" (0 when balanced); 1 + it is the slowdown."""
+    return float(np.mean([expert_load_imbalance(num_experts, num_devices, top_k, skew, tokens, seed) - 1
+                          for seed in seeds]))
+
+
+def skew_matching(imbalance_ratio: float, num_experts: int, num_devices: int, top_k: int, tokens: int,
+                  seeds=range(8), low: float = 0.0, high: float = 3.0, steps: int = 14) -> float:
+    """The Zipf skew whose mean imbalance ratio equals ``imbalance_ratio`` (bisection; the ratio grows
+    with skew). The same seeds at every skew keep the comparison from chasing sampling noise."""
+    for _ in range(steps):
+        mid = (low + high) / 2
+        if mean_imbalance(num_experts, num_devices, top_k, mid, tokens, seeds) < imbalance_ratio:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
 
 
 def summary_table(dtype: str = "bfloat16", context_len: int = 4096) -> list[dict]:

@@ -144,6 +144,31 @@ def test_load_is_balanced_without_skew_and_unbalanced_with_it():
     assert ma.sample_expert_loads(8, 1, 0, 2000, popularity=hot)[0] > 1500
 
 
+def test_published_routing_is_cited_and_consistent():
+    pub = ma.published_routing()
+    assert pub["url"].startswith("https://") and pub["source"] and pub["model"] and pub["hardware"] and pub["workload"]
+    assert pub["num_experts"] == 256 and pub["top_k"] == 8
+    for row in pub["rows"]:
+        # every GPU holds slots_per_device expert slots, so the mean per GPU is slots x the mean per slot
+        assert row["by_rank"]["mean"] == pytest.approx(row["slots_per_device"] * row["by_expert_slot"]["mean"], rel=0.02)
+        assert row["by_rank"]["imbalance_ratio"] < row["by_expert_slot"]["imbalance_ratio"]  # a GPU averages its slots
+    no_eplb, *eplb = pub["rows"]
+    assert all(r["by_rank"]["imbalance_ratio"] < no_eplb["by_rank"]["imbalance_ratio"] / 10 for r in eplb)
+    per_layer = list(pub["per_layer_no_eplb"].values())
+    assert min(per_layer) < no_eplb["by_rank"]["imbalance_ratio"] < max(per_layer)
+
+
+def test_skew_matching_finds_the_skew_that_gives_an_imbalance():
+    seeds = range(4)
+    assert ma.mean_imbalance(256, 32, 8, 0.0, 4096, seeds) < 0.2  # uniform routing: only sampling noise
+    for target in (0.5, 1.5):
+        s = ma.skew_matching(target, 256, 32, 8, 4096, seeds=seeds)
+        assert ma.mean_imbalance(256, 32, 8, s, 4096, seeds) == pytest.approx(target, rel=0.05)
+    assert ma.skew_matching(0.5, 256, 32, 8, 4096, seeds=seeds) < ma.skew_matching(1.5, 256, 32, 8, 4096, seeds=seeds)
+    # an imbalance no skew in range reaches: the bisection ends at the bound, not somewhere arbitrary
+    assert ma.skew_matching(1e6, 256, 32, 8, 4096, seeds=seeds, high=2.0) == pytest.approx(2.0, abs=1e-3)
+
+
 def test_summary_table_lists_every_model():
     rows = ma.summary_table()
     assert [r["model"] for r in rows] == list(ma.MODELS)
