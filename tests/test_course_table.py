@@ -57,7 +57,7 @@ def test_tails_are_called_max_below_100_samples(saved):
 def test_plot_has_one_cost_bar_and_one_goodput_bar_per_chapter_shown(saved):
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
-    fig = view.plot_course_table("04")
+    fig = view.plot_course_table("04", path=schema1(saved))   # the first layout: one goodput bar each
     cost_ax, good_ax = fig.axes[0], fig.axes[1]
     assert [t.get_text().split("\n")[0] for t in cost_ax.get_xticklabels()] == ["00", "01", "02", "03", "04"]
     assert len(cost_ax.patches) == 5 and len(good_ax.patches) == 5
@@ -181,6 +181,16 @@ def test_quick_run_of_two_rows_on_loopback(tmp_path):
     assert "Poisson" in table.caption and "one KV budget" in table.caption
 
 
+def schema1(saved):
+    """The saved run in the first layout: gamma arrivals only, no schema key."""
+    t = copy.deepcopy(saved)
+    t.pop("schema", None)
+    t["workload"].pop("poisson", None)
+    for r in t["rows"]:
+        r.pop("poisson", None)
+    return t
+
+
 def schema2(saved, n=100):
     """The saved run as a schema-2 run would look: a Poisson run beside every bursty one, n requests each."""
     t = copy.deepcopy(saved)
@@ -201,10 +211,20 @@ def test_schema2_table_shows_poisson_beside_gamma_with_each_tail_labelled(saved)
     assert table.cells[4][5] == f"{r['bursty']['goodput_req_s']:.2f} / {r['poisson']['goodput_req_s']:.2f}"
     assert table.cells[4][8].endswith("(P99) / 4321 (P99)")
     assert "max" in view.show_course_table("04", schema2(saved, n=24)).cells[4][8]
-    assert "Poisson 24 requests" in table.caption and f"{t['sizes']['kv_blocks']} blocks" in table.caption
-    assert "Poisson 24 requests" not in view.show_course_table("04").caption  # the old layout: caption as before
+    assert f"Poisson {t['sizes']['num_requests']} requests" in table.caption
+    assert f"{t['sizes']['kv_blocks']} blocks" in table.caption
+    old = schema1(saved)
+    assert "Poisson" not in view.show_course_table("04", old).caption.split("load:")[-1]  # the first layout: gamma only
     moved = view.what_moved("04", t)
-    assert "goodput under Poisson arrivals" in moved and "Poisson" not in view.what_moved("04")
+    assert "goodput under Poisson arrivals" in moved and "Poisson" not in view.what_moved("04", old)
+
+
+def test_every_row_after_00_states_its_factor_against_row_00(saved):
+    by = {r["chapter"]: r for r in saved["rows"]}
+    for chapter in ("01", "03", "08"):  # 01 too, whose row before it is row 00 itself
+        factor = by["00"]["capacity"]["usd_per_mtok"] / by[chapter]["capacity"]["usd_per_mtok"]
+        assert f"a million output tokens costs {factor:.1f}x less" in view.what_it_bought(chapter)
+    assert "the starting line" in view.what_it_bought("00") and "Against row 00" not in view.what_it_bought("00")
 
 
 def test_schema2_plot_draws_poisson_goodput_beside_bursty(saved):

@@ -196,7 +196,7 @@ def what_it_bought(chapter: str | int, path=None) -> str:
         return f"Row {chapter} ({row['name']}), the starting line: {figures(row)}."
     prev, first = by[earlier[-1]], by["00"] if "00" in by else None
     text = f"Row {chapter} ({row['name']}): {figures(row)}; row {prev['chapter']} ({prev['name']}): {figures(prev)}."
-    if first is not None and first is not prev:
+    if first is not None:  # row 01 too: its whole gain is against row 00, and the prose points at this factor
         ratio = first["capacity"]["usd_per_mtok"] / row["capacity"]["usd_per_mtok"]
         text += f" Against row 00, a million output tokens costs {ratio:.1f}x less."
     return text
