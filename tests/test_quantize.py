@@ -259,7 +259,7 @@ def test_saved_run_is_labelled_and_read_from_its_own_figures():
     from labsupport.data import text
 
     saved = json.loads(text("quant_cpu.json"))
-    assert saved["date"] == "2026-12-01" and "AVX2" in label(saved)
+    assert saved["date"] == "2026-12-05" and "family 25" in label(saved) and "AVX-512" in label(saved)
     lines = reading(saved)
     int4, fp32 = saved["methods"]["int4"], saved["methods"]["fp32"]
     assert f"int4 {int4['correct']} ({int4['correct'] - fp32['correct']:+d})" in lines
