@@ -101,6 +101,10 @@ def test_interrupting_a_benchmark_in_a_notebook_returns_at_once_and_the_server_a
     async def cell():  # inside a running event loop, as a notebook cell is
         return benchmark(server.url, llm.model_name, requests, rate=math.inf, progress=False, test_request=False)
 
+    # The kernel's own precondition, stated rather than inherited from whatever ran before in this worker: the
+    # signal goes to the thread running the cell, and SIGINT raises KeyboardInterrupt there (as ipykernel's does).
+    assert threading.current_thread() is threading.main_thread(), "the interrupt must reach this test's thread"
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     loop = asyncio.new_event_loop()  # run_until_complete, not asyncio.run: no SIGINT handler of asyncio's
     threading.Thread(target=interrupt_once_running, daemon=True).start()
     try:
@@ -108,6 +112,7 @@ def test_interrupting_a_benchmark_in_a_notebook_returns_at_once_and_the_server_a
             loop.run_until_complete(cell())
     finally:
         loop.close()
+        signal.signal(signal.SIGINT, previous)
     assert time.perf_counter() - sent["at"] < 1.0
     wait_idle_and_free(llm, timeout=5)  # the server saw the hang-ups and aborted every request
     assert llm.stats()["num_requests_running"] == 0
