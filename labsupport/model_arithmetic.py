@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
-from importlib.resources import files
 
 import numpy as np
 
+from . import data
 from . import kv_memory as kvm
 from .kv_memory import DTYPE_BYTES, GPUS, USABLE_FRACTION, KiB
 
@@ -313,7 +313,7 @@ def published_routing() -> dict:
     """Expert-load statistics measured on a served model, as published (``data/moe_routing_published.json``
     names the source, model, hardware and workload): the figures a Zipf skew is calibrated against, so the
     explorer's slider starts from something a serving team saw rather than from a guess."""
-    return json.loads(files("labsupport.data").joinpath("moe_routing_published.json").read_text(encoding="utf-8"))
+    return json.loads(data.text("moe_routing_published.json"))
 
 
 def mean_imbalance(num_experts: int, num_devices: int, top_k: int, skew: float, tokens: int,

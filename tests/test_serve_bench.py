@@ -101,8 +101,9 @@ def test_interrupting_a_benchmark_in_a_notebook_returns_at_once_and_the_server_a
     async def cell():  # inside a running event loop, as a notebook cell is
         return benchmark(server.url, llm.model_name, requests, rate=math.inf, progress=False, test_request=False)
 
-    # The kernel's own precondition, stated rather than inherited from whatever ran before in this worker: the
-    # signal goes to the thread running the cell, and SIGINT raises KeyboardInterrupt there (as ipykernel's does).
+    # The kernel's own precondition, stated rather than inherited: the signal goes to the thread running the cell,
+    # and SIGINT raises KeyboardInterrupt there (as ipykernel's handler does). Started as a background job of a
+    # non-interactive shell, pytest inherits SIGINT ignored, and Python then installs no handler at all.
     assert threading.current_thread() is threading.main_thread(), "the interrupt must reach this test's thread"
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     loop = asyncio.new_event_loop()  # run_until_complete, not asyncio.run: no SIGINT handler of asyncio's
