@@ -42,6 +42,20 @@ def test_slo_cell_judges_only_short_prompts_and_counts_goodput_per_second():
     assert cell["attainment"] == pytest.approx(0.25) and cell["goodput"] == pytest.approx(0.25)
 
 
+def test_slo_grid_judges_a_measured_cell_without_running_it_and_runs_the_others(monkeypatch):
+    ran = []
+    fresh = result([request(64, 0, 3.0)], duration=2.0)                 # misses the TTFT SLO
+    monkeypatch.setattr(pdx, "run", lambda d, requests, rate, seed=0: ran.append((d.name, rate)) or fresh)
+    deps = [pdx.Deployment(name, [], None) for name in ("colocated", "1P+1D")]
+    earlier = {"colocated": result([request(64, 0, 0.1)], duration=1.0),
+               "1P+1D": result([request(64, 0, 0.1), request(64, 1, 0.1)], duration=1.0)}
+    grid = pdx.slo_grid(deps, {(512, 1.5): ["section 5's requests"], (512, 3.0): ["new ones"]},
+                        {"ttft": 200, "tpot": 50}, measured={(512, 1.5): earlier})
+    assert ran == [("colocated", 3.0), ("1P+1D", 3.0)]                  # only the cell not measured before
+    assert grid[(512, 1.5)]["1P+1D"]["good"] == 2 and grid[(512, 1.5)]["colocated"]["good"] == 1
+    assert grid[(512, 3.0)]["colocated"]["good"] == 0
+
+
 def test_crossover_calls_one_request_level_and_two_a_win():
     cells = {(512, 1.0): {"1P+1D": {"good": 9}, "colocated": {"good": 10}},
              (512, 3.0): {"1P+1D": {"good": 7}, "colocated": {"good": 4}},
@@ -121,3 +135,35 @@ def test_xpyd_puts_each_worker_on_its_cpus_behind_one_router_on_one_budget():
     assert sum(last(w, "--num-blocks") for w in workers) == 225
     assert sum(last(w, "--max-num-seqs") for w in workers) == 16
     assert set(d.engines) == {"prefill 1", "prefill 2", "decode 1"}
+
+
+def test_two_layouts_share_two_workers_and_each_layout_adds_up_to_the_budget():
+    two_p, two_d = pdx.two_layouts("0", "1", num_blocks=225, max_num_seqs=16)
+    assert (two_p.name, two_d.name) == ("2P1D", "1P2D")
+    def last(w, name):
+        return int(w.args[len(w.args) - 1 - w.args[::-1].index(name) + 1])
+    for d in (two_p, two_d):
+        workers = d.processes[:-1]
+        assert sum(last(w, "--num-blocks") for w in workers) == 225
+        assert sum(last(w, "--max-num-seqs") for w in workers) == 16
+        assert d.processes[-1].prefill == [w for w in workers if w.role == "prefill"]
+    assert [(w.role, w.cpus) for w in two_p.processes[:-1]] == [("prefill", "0"), ("prefill", "1"), ("decode", "1")]
+    assert [(w.role, w.cpus) for w in two_d.processes[:-1]] == [("prefill", "0"), ("decode", "1"), ("decode", "0")]
+    shared = [w for w in two_p.processes if any(w is v for v in two_d.processes)]
+    assert [w.name for w in shared] == ["prefill 1", "decode 1"]
+    everyone = pdx._each_once(p for d in (two_p, two_d) for p in d.processes)
+    assert len(everyone) == 6            # four workers and two routers, each started and stopped once
+
+
+def test_split_calls_a_tail_of_fewer_than_a_hundred_samples_the_max():
+    def short(start, tpot_ms, gaps):
+        r = request(64, start, 0.1, tpot_ms=tpot_ms)
+        r.itl = [tpot_ms / 1000] * gaps
+        return r
+    def run(requests):
+        return BenchResult({}, {"duration": 10.0, "output_throughput": 1.0, "failed": 0}, requests)
+    few = pdx.split(run([short(0, 20, 4), short(1, 90, 4), request(512, 2, 3.0)]), long_from=256)
+    assert few["short_tpot_tail"] == "max" and few["short_tail_tpot_ms"] == pytest.approx(90)
+    assert few["short_itl_tail"] == "max" and few["short_tail_itl_ms"] == pytest.approx(90)
+    many = pdx.split(run([short(k, 20 + k, 1) for k in range(120)]), long_from=256)
+    assert many["short_tpot_tail"] == "P99" and many["short_tail_tpot_ms"] < 20 + 119

@@ -15,6 +15,7 @@ import pytest
 from labsupport.bench.serving.serve_bench import BenchResult, RequestResult, benchmark, goodput, summarize
 from labsupport.bench.serving.serve_datasets import SampleRequest, arrival_gaps, arrival_times, sample_requests
 from labsupport.bench.serving.serve_metrics import parse_metrics, server_metrics_delta
+from labsupport.percentiles import tail
 from labsupport.serve.api import create_app
 from labsupport.serve.background import BackgroundServer
 
@@ -164,6 +165,8 @@ def test_summary_percentiles_and_throughput():
     assert s["mean_ttft_ms"] == pytest.approx(550) and s["median_ttft_ms"] == pytest.approx(550)
     assert s["p90_ttft_ms"] == pytest.approx(910) and s["p99_ttft_ms"] == pytest.approx(991)
     assert s["mean_tpot_ms"] == pytest.approx(90)  # (E2E - TTFT) / 10 = 90 ms for every one
+    assert s["max_ttft_ms"] == pytest.approx(1000) and s["n_ttft"] == 10
+    assert tail(s, "ttft") == ("max", pytest.approx(1000))   # ten samples: the tail is called the max
 
 
 @pytest.mark.parametrize("burstiness", [0.5, 1.0, 4.0])

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from ..bench.serving.serve_bench import COMPLETIONS, BenchResult, benchmark
-from ..percentiles import percentile
+from ..percentiles import MIN_P99_SAMPLES, percentile
 from ..pd.cluster import Router, Worker, start_all, stop_all
 
 WORKER_ARGS = ["--num-blocks", "512", "--max-num-batched-tokens", "2048",  # ~0.4 GB of KV: give pool_args instead
@@ -129,10 +129,45 @@ def xpyd(prefill_cpus: list[str], decode_cpus: list[str], num_blocks: int, max_n
     return Deployment(name or f"{len(pre)}P{len(dec)}D", [*pre, *dec, r], r, {w.name: w.url for w in pre + dec})
 
 
+def two_layouts(first: str, second: str, num_blocks: int, max_num_seqs: int, args=(),
+                model=None) -> list[Deployment]:
+    """2P1D and 1P2D on two cores from four workers started once, each layout on one budget.
+
+    Three workers on two cores: the doubled role gets one worker on each core, the single role shares a
+    core. Both layouts hold a prefill worker on ``first`` and a decode worker on ``second``; 2P1D adds a
+    prefill worker on ``second``, 1P2D a decode worker on ``first``. So four workers serve both, each
+    behind its layout's router, and the one a layout leaves out sits idle while the other runs (an idle
+    worker polls nothing: well under 1 % of a core). The budget is cut in three (``share_budget``): the
+    shared prefill worker has the first share, the shared decode worker the largest, and each layout's
+    third worker the middle one, so either layout's three shares add up to the whole budget."""
+    s = share_budget(num_blocks, max_num_seqs, 3)
+
+    def worker(role, cpus, share, name):
+        return Worker(role, cpus, model=model, args=[*WORKER_ARGS, *args, *share], name=name)
+    p1, d1 = worker("prefill", first, s[0], "prefill 1"), worker("decode", second, s[2], "decode 1")
+    p2, d2 = worker("prefill", second, s[1], "prefill 2"), worker("decode", first, s[1], "decode 2")
+    layouts = []
+    for name, pre, dec in (("2P1D", [p1, p2], [d1]), ("1P2D", [p1], [d1, d2])):
+        r = Router(prefill=pre, decode=dec)
+        layouts.append(Deployment(name, [*pre, *dec, r], r, {w.name: w.url for w in pre + dec}))
+    return layouts
+
+
+def _each_once(processes):
+    """``processes`` without repeats (deployments may share workers), in order."""
+    seen, out = set(), []
+    for p in processes:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
 def start(deployments: list[Deployment], timeout: float = 240.0) -> list[Deployment]:
-    """Start every process of every deployment at once (model loads overlap); routers after their workers."""
-    workers = [p for d in deployments for p in d.processes if not isinstance(p, Router)]
-    routers = [p for d in deployments for p in d.processes if isinstance(p, Router)]
+    """Start every process of every deployment at once (model loads overlap); routers after their workers.
+    A worker two deployments share starts once."""
+    workers = _each_once(p for d in deployments for p in d.processes if not isinstance(p, Router))
+    routers = _each_once(p for d in deployments for p in d.processes if isinstance(p, Router))
     start_all(workers, timeout)
     try:
         start_all(routers, 60)
@@ -143,29 +178,36 @@ def start(deployments: list[Deployment], timeout: float = 240.0) -> list[Deploym
 
 
 def stop(deployments: list[Deployment]):
-    stop_all([p for d in deployments for p in reversed(d.processes)])
+    stop_all(_each_once(p for d in deployments for p in reversed(d.processes)))
 
 
 def model_name(url: str) -> str:
     return httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
 
-def run(dep: Deployment, requests, rate: float, seed: int = 0, slo: dict | None = None) -> BenchResult:
-    """One load run through the deployment's front door (completions, greedy, ignore_eos, streamed)."""
+def run(dep: Deployment, requests, rate: float, seed: int = 0, slo: dict | None = None,
+        max_concurrency: int | None = None) -> BenchResult:
+    """One load run through the deployment's front door (completions, greedy, ignore_eos, streamed).
+    ``max_concurrency=1`` with ``rate=math.inf``: each request alone, the next sent when one ends."""
     return benchmark(dep.url, model_name(dep.url), requests, rate=rate, endpoint=COMPLETIONS, seed=seed, slo=slo,
-                     progress=False)
+                     max_concurrency=max_concurrency, progress=False)
 
 
 def split(result: BenchResult, long_from: int) -> dict:
-    """The run seen by the two kinds of request: short ones (their decode is what prefills stall) and long."""
+    """The run seen by the two kinds of request: short ones (their decode is what prefills stall) and long.
+    A short requests' tail is their P99 over at least ``MIN_P99_SAMPLES`` samples, else their max, and
+    ``short_itl_tail`` / ``short_tpot_tail`` say which."""
     ok = [r for r in result.requests if r.success]
     short, long_ = [r for r in ok if r.prompt_len < long_from], [r for r in ok if r.prompt_len >= long_from]
 
     def ms(values, q):
         return percentile([v * 1000 for v in values], q) if values else math.nan
-    return {"short_p99_itl_ms": ms([g for r in short for g in r.itl], 99),
-            "short_p50_itl_ms": ms([g for r in short for g in r.itl], 50),
-            "short_p99_tpot_ms": ms([r.tpot for r in short if r.output_tokens > 1], 99),
+    itls, tpots = [g for r in short for g in r.itl], [r.tpot for r in short if r.output_tokens > 1]
+    return {"short_itl_tail": "P99" if len(itls) >= MIN_P99_SAMPLES else "max",   # the course's rule for a tail
+            "short_tail_itl_ms": ms(itls, 99 if len(itls) >= MIN_P99_SAMPLES else 100),
+            "short_p50_itl_ms": ms(itls, 50),
+            "short_tpot_tail": "P99" if len(tpots) >= MIN_P99_SAMPLES else "max",
+            "short_tail_tpot_ms": ms(tpots, 99 if len(tpots) >= MIN_P99_SAMPLES else 100),
             "short_p50_ttft_ms": ms([r.ttft for r in short], 50),
             "long_p50_ttft_ms": ms([r.ttft for r in long_], 50),
             "output_throughput": result.summary["output_throughput"], "failed": result.summary["failed"]}
@@ -214,10 +256,20 @@ def slo_cell(result: BenchResult, slo: dict, max_prompt_len: int | None = None) 
 
 
 def slo_grid(deployments: list[Deployment], loads: dict, slo: dict, seed: int = 0,
-             max_prompt_len: int | None = None) -> dict:
+             max_prompt_len: int | None = None, measured: dict | None = None) -> dict:
     """``loads``: ``{(long_prompt_len, rate): requests}``, a fresh list per cell (prefix caches would flatter
-    repeats). Runs every cell through every deployment: ``{(long_prompt_len, rate): {name: slo_cell}}``."""
-    return {cell: {d.name: slo_cell(run(d, requests, cell[1], seed), slo, max_prompt_len) for d in deployments}
+    repeats). Runs every cell through every deployment: ``{(long_prompt_len, rate): {name: slo_cell}}``.
+
+    ``measured``: ``{cell: {name: BenchResult}}`` for cells already run with exactly that cell's requests
+    and rate (a chapter's earlier section): judged here, not run again. A run is judged after the fact
+    from its per-request timings, so the SLO need not be known when it ran."""
+    measured = measured or {}
+
+    def result(d, cell, requests):
+        if d.name in measured.get(cell, {}):
+            return measured[cell][d.name]
+        return run(d, requests, cell[1], seed)
+    return {cell: {d.name: slo_cell(result(d, cell, requests), slo, max_prompt_len) for d in deployments}
             for cell, requests in loads.items()}
 
 

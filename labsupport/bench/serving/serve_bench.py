@@ -175,6 +175,7 @@ def summarize(results: list[RequestResult], duration_s: float, slo: dict | None 
         s[f"mean_{name}_ms"] = sum(ms) / len(ms) if ms else math.nan
         for label, q in (("median", 50), ("p90", 90), ("p99", 99)):
             s[f"{label}_{name}_ms"] = percentile(ms, q)
+        s[f"max_{name}_ms"], s[f"n_{name}"] = (max(ms) if ms else math.nan), len(ms)   # what percentiles.tail reads
     if slo:
         s["request_goodput"] = goodput(results, slo, duration_s)
     if usd_per_hour is not None:
