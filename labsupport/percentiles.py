@@ -21,6 +21,13 @@ def percentile(values: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def tail_of(values: list[float]) -> tuple[str, float]:
+    """("P99", their P99) over at least ``MIN_P99_SAMPLES`` values, else ("max", the largest)."""
+    if len(values) >= MIN_P99_SAMPLES:
+        return "P99", percentile(values, 99)
+    return "max", max(values) if values else float("nan")
+
+
 def tail(summary: dict, name: str) -> tuple[str, float]:
     """("P99", value) with at least ``MIN_P99_SAMPLES`` samples of ``name``, else ("max", the largest)."""
     if summary.get(f"n_{name}", MIN_P99_SAMPLES) >= MIN_P99_SAMPLES:
