@@ -125,8 +125,13 @@ def xpyd(prefill_cpus: list[str], decode_cpus: list[str], num_blocks: int, max_n
            for k, c in enumerate(prefill_cpus)]
     dec = [Worker("decode", c, model=model, args=[*WORKER_ARGS, *args, *shares[len(pre) + k]], name=f"decode {k + 1}")
            for k, c in enumerate(decode_cpus)]
+    return _behind_router(name or f"{len(pre)}P{len(dec)}D", pre, dec)
+
+
+def _behind_router(name: str, pre: list[Worker], dec: list[Worker]) -> Deployment:
+    """Prefill and decode workers behind one PD router: the deployment, its lanes named after the workers."""
     r = Router(prefill=pre, decode=dec)
-    return Deployment(name or f"{len(pre)}P{len(dec)}D", [*pre, *dec, r], r, {w.name: w.url for w in pre + dec})
+    return Deployment(name, [*pre, *dec, r], r, {w.name: w.url for w in pre + dec})
 
 
 def two_layouts(first: str, second: str, num_blocks: int, max_num_seqs: int, args=(),
@@ -137,20 +142,16 @@ def two_layouts(first: str, second: str, num_blocks: int, max_num_seqs: int, arg
     core. Both layouts hold a prefill worker on ``first`` and a decode worker on ``second``; 2P1D adds a
     prefill worker on ``second``, 1P2D a decode worker on ``first``. So four workers serve both, each
     behind its layout's router, and the one a layout leaves out sits idle while the other runs (an idle
-    worker took 0.5-0.7 % of a core over 10 s, 2-core VM, 2026-12-05). The budget is cut in three (``share_budget``): the
-    shared prefill worker has the first share, the shared decode worker the largest, and each layout's
-    third worker the middle one, so either layout's three shares add up to the whole budget."""
+    worker took 0.5-0.7 % of a core over 10 s, 2-core VM, 2026-12-05). The budget is cut in three
+    (``share_budget``): the shared prefill worker has the first share, the shared decode worker the largest,
+    and each layout's third worker the middle one, so either layout's three shares add up to the whole budget."""
     s = share_budget(num_blocks, max_num_seqs, 3)
 
     def worker(role, cpus, share, name):
         return Worker(role, cpus, model=model, args=[*WORKER_ARGS, *args, *share], name=name)
     p1, d1 = worker("prefill", first, s[0], "prefill 1"), worker("decode", second, s[2], "decode 1")
     p2, d2 = worker("prefill", second, s[1], "prefill 2"), worker("decode", first, s[1], "decode 2")
-    layouts = []
-    for name, pre, dec in (("2P1D", [p1, p2], [d1]), ("1P2D", [p1], [d1, d2])):
-        r = Router(prefill=pre, decode=dec)
-        layouts.append(Deployment(name, [*pre, *dec, r], r, {w.name: w.url for w in pre + dec}))
-    return layouts
+    return [_behind_router("2P1D", [p1, p2], [d1]), _behind_router("1P2D", [p1], [d1, d2])]
 
 
 def _each_once(processes):
