@@ -4,6 +4,7 @@ by the ``lock`` file it creates and removes, so no compiler runs. The processes 
 talk through files in the build folder: ``<name>.in`` once inside, ``<name>.go`` to let it finish,
 ``<name>.out`` with whether its baton survived."""
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import pytest
 from waiting import wait_until
+
+from labsupport.kernels import jit
 
 pytestmark = pytest.mark.slow  # four Python processes that import torch
 
@@ -78,3 +81,19 @@ def test_a_build_killed_midway_does_not_block_the_next(tmp_path):
         if b.poll() is None:
             b.kill()
     assert (tmp_path / "b.out").read_text() == "True" and not (tmp_path / "lock").exists()
+
+
+def test_the_build_always_runs_the_pip_packages_ninja(tmp_path, monkeypatch):
+    """A machine's own ninja first on PATH (Debian's 1.11 beside the pip package's 1.13) must not be the one
+    the build runs: the two hash a build's command differently, and each rebuilt every extension after the
+    other. The pip copy goes first on PATH, whatever PATH held, and only once."""
+    ninja = pytest.importorskip("ninja")
+    own = tmp_path / "bin"
+    own.mkdir()
+    (own / "ninja").write_text("#!/bin/sh\necho 1.11.1\n")
+    (own / "ninja").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{own}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    jit._put_ninja_on_path()
+    assert shutil.which("ninja") == os.path.join(ninja.BIN_DIR, "ninja")
+    jit._put_ninja_on_path()
+    assert os.environ["PATH"].split(os.pathsep).count(ninja.BIN_DIR) == 1

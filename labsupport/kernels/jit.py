@@ -108,11 +108,15 @@ def exclusive_build(directory: str):
 
 
 def _put_ninja_on_path():
-    """The build runs ``ninja``: the pip package's copy (a dependency) is found even where the venv is not
-    activated (``.venv/bin/python -m pytest``, a Jupyter kernel), where PATH has none of its own."""
-    if shutil.which("ninja") is None:
-        try:
-            import ninja
-        except ImportError:
-            return
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    """The build runs ``ninja``: always the pip package's copy (a dependency of this package), first on PATH.
+    Not the first one PATH happens to hold: a machine's own ninja (Debian's 1.11) and the pip package's (1.13)
+    hash a build's command differently, so each of them finds the other's log stale and rebuilds every
+    extension (~80 s on 2 cores). A terminal with the venv activated found the pip copy, a Jupyter kernel or
+    ``.venv/bin/python`` without it found Debian's, and every switch between the two paid that rebuild."""
+    try:
+        import ninja
+    except ImportError:
+        return  # the machine's, if it has one
+    path = os.environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != ninja.BIN_DIR:
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
