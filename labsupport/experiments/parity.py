@@ -118,14 +118,15 @@ def vllm_args(s: ParitySizes) -> list[str]:
 
 
 def start_servers(s: ParitySizes, model=None, cpus: str | None = None,
-                  timeout: float = 300.0) -> tuple[Worker, VllmServer]:
+                  timeout: float = 300.0, wait: bool = True) -> tuple[Worker, VllmServer]:
     """Our server and ``vllm serve`` with matched knobs, started together (their loads overlap), on the
-    same cores: experiments then run on one server at a time."""
+    same cores: experiments then run on one server at a time. ``wait=False``: return as soon as both
+    processes run; ``start_all(servers)`` later waits until both answer."""
     from ..models.loader import prepare_default_model
     folder = str(model or prepare_default_model())
     ours = Worker(None, cpus, model=folder, args=our_args(s), name="ours")
     vllm = VllmServer(folder, cpus=cpus, args=vllm_args(s), max_model_len=s.max_model_len)
-    start_all([ours, vllm], timeout)
+    start_all([ours, vllm], timeout, wait)
     return ours, vllm
 
 

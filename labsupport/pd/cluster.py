@@ -139,12 +139,14 @@ def _cpu_list(spec: str) -> set[int]:
     return cpus
 
 
-def start_all(workers: list[Worker], timeout: float = 180.0) -> list[Worker]:
-    """Start every worker at once (their model loads overlap), then wait for each; stop all if one fails."""
+def start_all(workers: list[Worker], timeout: float = 180.0, wait: bool = True) -> list[Worker]:
+    """Start every worker at once (their model loads overlap), then wait for each; stop all if one fails.
+    A worker already running is not started again, so ``start_all(ws, wait=False)`` early and ``start_all(ws)``
+    where they are needed lets their start-ups overlap other work in between."""
     try:
         for w in workers:
             w.start(wait=False)
-        for w in workers:
+        for w in workers if wait else ():
             w.wait_healthy(timeout)
     except BaseException:
         stop_all(workers)

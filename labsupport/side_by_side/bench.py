@@ -71,8 +71,10 @@ def run_ours(url: str, load: BenchLoad, tokenizer, model: str = "smol") -> dict:
     return result.summary
 
 
-def run_vllm_bench(url: str, load: BenchLoad, tokenizer_folder, model: str = "smol", timeout_s: float = 600) -> dict:
-    """``vllm bench serve`` from vLLM's venv against ``url``: the JSON it saves (``--save-result``)."""
+def run_vllm_bench(url: str, load: BenchLoad, tokenizer_folder, model: str = "smol", timeout_s: float = 600,
+                   session=None) -> dict:
+    """``vllm bench serve`` from vLLM's venv against ``url``: the JSON it saves (``--save-result``). ``session``:
+    a ``session.VllmSession`` to run it in (the same command, without importing vLLM again)."""
     rate = "inf" if math.isinf(load.request_rate) else str(load.request_rate)
     goodput = [f"{k}:{v:g}" for k, v in load.slo.items()]
     with tempfile.TemporaryDirectory(prefix="labsupport-vllm-bench-") as work:
@@ -84,8 +86,13 @@ def run_vllm_bench(url: str, load: BenchLoad, tokenizer_folder, model: str = "sm
                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
                "--goodput", *goodput, "--disable-tqdm", "--save-result", "--result-dir", work,
                "--result-filename", "result.json"]
-        proc = procs.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=client_env(), cwd=work)
         saved = Path(work) / "result.json"
+        if session is not None:
+            session.vllm(cmd[1:], timeout_s)  # raises with the log's tail if it failed
+            if not saved.exists():
+                raise RuntimeError(f"vllm bench serve saved no result (log: {session.log_path})")
+            return json.loads(saved.read_text())
+        proc = procs.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=client_env(), cwd=work)
         if proc.returncode != 0 or not saved.exists():
             raise RuntimeError(f"vllm bench serve failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
         return json.loads(saved.read_text())
@@ -95,8 +102,9 @@ def row(server: str, generator: str, summary: dict) -> dict:
     return {"server": server, "load generator": generator, **{k: summary.get(k, math.nan) for k in COLUMNS[2:]}}
 
 
-def measure(workers, load: BenchLoad, tokenizer_folder, tokenizer=None, log=print) -> list[dict]:
-    """Each server in turn, each load generator in turn against it: four rows."""
+def measure(workers, load: BenchLoad, tokenizer_folder, tokenizer=None, log=print, session=None) -> list[dict]:
+    """Each server in turn, each load generator in turn against it: four rows. ``session``: run
+    ``vllm bench serve`` in this ``session.VllmSession`` (vLLM imported once for both servers)."""
     tokenizer = tokenizer or load_tokenizer(str(tokenizer_folder))
     rows = []
     for w in workers:
@@ -104,7 +112,7 @@ def measure(workers, load: BenchLoad, tokenizer_folder, tokenizer=None, log=prin
         for generator in GENERATORS:
             start = time.time()
             summary = (run_ours(w.url, load, tokenizer) if generator == GENERATORS[0]
-                       else run_vllm_bench(w.url, load, tokenizer_folder))
+                       else run_vllm_bench(w.url, load, tokenizer_folder, session=session))
             rows.append(row(server, generator, summary))
             log(f"  {server} x {generator}: {summary['completed']} requests, "
                 f"{summary['output_throughput']:.0f} tok/s ({time.time() - start:.0f} s)")

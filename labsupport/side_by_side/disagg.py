@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import os
 import shlex
 import shutil
 import tempfile
@@ -32,9 +31,8 @@ from pathlib import Path
 
 import httpx
 
-from .. import procs
 from ..pd.cluster import Router, start_all, stop_all
-from ..servers import VllmServer, vllm_bin, vllm_status
+from ..servers import VllmServer
 
 BLOCK_SIZE = 32  # CPU attention: a multiple of 32; small enough that a 100-token prompt fills 3 blocks
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")  # vllm:prompt_tokens_by_source
@@ -174,38 +172,15 @@ def nixl_recipe(model: str, gpu_memory_utilization: float = 0.4, name: str = "sm
 
 
 # Runs in the vLLM venv: its own `vllm serve` parser on each line (no engine starts, so `-c` is fine).
-_PARSE_RECIPE = """
-import json, shlex, sys
-from vllm import envs
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.entrypoints.launchers.cli_args import make_arg_parser
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-out = []
-for line in json.loads(sys.argv[1]):
-    words = shlex.split(line)
-    cut = words.index("serve")
-    env = [w.split("=", 1)[0] for w in words[:cut - 1]]
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", *words[cut + 1:]])
-    kv = args.kv_transfer_config
-    out.append({"unknown_env": [e for e in env if e not in envs.environment_variables], "port": args.port,
-                "gpu_memory_utilization": args.gpu_memory_utilization, "kv_connector": kv.kv_connector,
-                "kv_role": kv.kv_role, "connector_registered": kv.kv_connector in KVConnectorFactory._registry})
-print("RESULT " + json.dumps(out))
-"""
-
-
-def check_recipe(lines: list[str], timeout: float = 120.0) -> list[dict]:
+def check_recipe(lines: list[str], timeout: float = 120.0, session=None) -> list[dict]:
     """What the installed vLLM's own ``vllm serve`` parser makes of each ``vllm serve`` line of a recipe
     (a wrong flag name fails here, not on the GPU machine): port, memory share, connector and role,
-    whether the connector is registered and which environment variables vLLM does not know."""
-    usable, why = vllm_status()
-    if not usable:
-        raise RuntimeError(why)
+    whether the connector is registered and which environment variables vLLM does not know. ``session``: a
+    running ``session.VllmSession`` to ask (vLLM already imported there); by default one just for this."""
+    from .session import VllmSession
+
     serve_lines = [line for line in lines if " vllm serve " in f" {line} "]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the lab's packages must not shadow vLLM's
-    done = procs.run([str(vllm_bin("python")), "-c", _PARSE_RECIPE, json.dumps(serve_lines)], capture_output=True,
-                          text=True, timeout=timeout, env={**env, "VLLM_TARGET_DEVICE": "cpu"})
-    result = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not result:
-        raise RuntimeError(f"vLLM's parser refused the recipe:\n{done.stderr[-2000:]}")
-    return json.loads(result[0][len("RESULT "):])
+    if session is not None:
+        return session.parse_serve(serve_lines, timeout)
+    with VllmSession() as own:
+        return own.parse_serve(serve_lines, timeout)

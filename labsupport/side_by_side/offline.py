@@ -29,18 +29,25 @@ from ..servers import vllm_status
 
 
 def greedy_tokens(folder, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = True, cpus: str | None = None,
-                  timeout_s: float = 600.0) -> dict:
+                  timeout_s: float = 600.0, session=None) -> dict:
     """vLLM's greedy continuation of each prompt: ``{"tokens": [[id, ...], ...], "startup_s", "generate_s",
     "vllm_version", "torch_version"}``, or ``{"skipped": why}`` when vLLM is absent or fails (the
     notebook prints why and goes on). ``folder``: the safetensors + tokenizer folder
     (``models.loader.prepare_default_model()``); ``cpus``: bind vLLM's threads to these cores
-    ("1"), e.g. to match a server pinned there; default all."""
+    ("1"), e.g. to match a server pinned there; default all. ``session``: a running
+    ``session.VllmSession`` to do it in (vLLM already imported there; ``cpus`` does not apply)."""
     usable, why = vllm_status()
     if not usable:
         return {"skipped": why}
     longest = max(len(p) for p in prompts) + max_tokens
     spec = {"mode": "greedy", "model": str(folder), "prompts": [[int(t) for t in p] for p in prompts],
             "max_tokens": int(max_tokens), "ignore_eos": bool(ignore_eos), "max_model_len": max(256, longest + 16)}
+    if session is not None:
+        try:
+            answer = session.greedy(spec, timeout_s)
+        except (RuntimeError, TimeoutError) as exc:
+            return {"skipped": f"vLLM failed: {exc}"}
+        return {k: answer[k] for k in ("tokens", "startup_s", "generate_s", "vllm_version", "torch_version")}
     work = Path(tempfile.mkdtemp(prefix="labsupport-vllm-greedy-"))
     (work / "spec.json").write_text(json.dumps(spec))
     log_path = work / "vllm.log"

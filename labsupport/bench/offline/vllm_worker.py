@@ -18,7 +18,7 @@ import sys
 import time
 
 
-def greedy(spec, result_path):
+def greedy_tokens(spec) -> dict:
     """The greedy continuation of each prompt (token ids in, token ids out), with the settings of the
     chapter 08 servers: fp32, eager, block size 32 (the CPU attention wants a multiple of 32)."""
     import torch
@@ -32,15 +32,16 @@ def greedy(spec, result_path):
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=spec["ignore_eos"])
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)
-    json.dump({"tokens": [list(o.outputs[0].token_ids) for o in outs], "startup_s": startup,
-               "generate_s": time.perf_counter() - t0, "vllm_version": vllm.__version__,
-               "torch_version": torch.__version__}, open(result_path, "w"))
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "startup_s": startup,
+            "generate_s": time.perf_counter() - t0, "vllm_version": vllm.__version__,
+            "torch_version": torch.__version__}
 
 
 def main(spec_path, result_path):
     spec = json.load(open(spec_path))
     if spec.get("mode") == "greedy":
-        return greedy(spec, result_path)
+        json.dump(greedy_tokens(spec), open(result_path, "w"))
+        return
     import torch
     import vllm
     from vllm import LLM, SamplingParams
