@@ -99,8 +99,12 @@ class VllmSession:
                     raise TimeoutError(f"vLLM's session gave no answer to {what} within {timeout_s:.0f} s "
                                        f"(log: {self.log_path})")
             line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"vLLM's session exited ({self.proc.poll()}) during {what} "
+            if not line:  # its stdout closed: it has exited, or is exiting
+                try:
+                    code = self.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    code = "still running, stdout closed"
+                raise RuntimeError(f"vLLM's session exited ({code}) during {what} "
                                    f"(log: {self.log_path}):\n{self.log_tail()}")
             return json.loads(line)
         except BaseException:
