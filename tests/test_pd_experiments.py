@@ -167,3 +167,60 @@ def test_split_calls_a_tail_of_fewer_than_a_hundred_samples_the_max():
     assert few["short_itl_tail"] == "max" and few["short_tail_itl_ms"] == pytest.approx(90)
     many = pdx.split(run([short(k, 20 + k, 1) for k in range(120)]), long_from=256)
     assert many["short_tpot_tail"] == "P99" and many["short_tail_tpot_ms"] < 20 + 119
+
+
+class FakeProcess:
+    """Stands in for a worker or router process in ``pdx.start``: records when it was started, waited for
+    and stopped in one shared log (no process runs)."""
+
+    def __init__(self, name, log, fails=False):
+        self.name, self.log, self.fails, self.proc = name, log, fails, None
+
+    @property
+    def alive(self):
+        return self.proc is not None
+
+    def start(self, wait=True, timeout=0):
+        if self.proc is None:
+            self.log.append(("start", self.name))
+            self.proc = self
+        return self
+
+    def wait_healthy(self, timeout=0):
+        self.log.append(("wait", self.name))
+        if self.fails:
+            raise RuntimeError(f"{self.name} exited")
+
+    def send_signal(self, sig):
+        self.log.append(("stop", self.name))
+        self.proc = None
+
+    def wait(self, timeout=None):
+        return 0
+
+
+class FakeRouter(FakeProcess, pdx.Router):
+    pass
+
+
+def deployment(log, fails=False):
+    workers = [FakeProcess("prefill", log), FakeProcess("decode", log, fails)]
+    router = FakeRouter.__new__(FakeRouter)
+    FakeProcess.__init__(router, "router", log)
+    return pdx.Deployment("1P+1D", [*workers, router], router)
+
+
+def test_start_launches_the_routers_with_their_workers_not_after_them():
+    log = []
+    pdx.start([deployment(log)])
+    starts = [i for i, (what, _) in enumerate(log) if what == "start"]
+    first_wait = min(i for i, (what, _) in enumerate(log) if what == "wait")
+    assert {log[i][1] for i in starts} == {"prefill", "decode", "router"} and max(starts) < first_wait
+    assert [n for what, n in log if what == "wait"][-1] == "router"  # healthy last: it answers once its workers do
+
+
+def test_a_worker_that_fails_to_start_takes_its_router_down_too():
+    log = []
+    with pytest.raises(RuntimeError, match="decode exited"):
+        pdx.start([deployment(log, fails=True)])
+    assert {n for what, n in log if what == "stop"} == {"prefill", "decode", "router"}
