@@ -19,7 +19,6 @@ import contextlib
 import fcntl
 import hashlib
 import os
-import shutil
 import sys
 import threading
 from pathlib import Path

@@ -171,7 +171,6 @@ def nixl_recipe(model: str, gpu_memory_utilization: float = 0.4, name: str = "sm
                     f"--decode http://127.0.0.1:{ports[1]} --port {ports[2]}"]
 
 
-# Runs in the vLLM venv: its own `vllm serve` parser on each line (no engine starts, so `-c` is fine).
 def check_recipe(lines: list[str], timeout: float = 120.0, session=None) -> list[dict]:
     """What the installed vLLM's own ``vllm serve`` parser makes of each ``vllm serve`` line of a recipe
     (a wrong flag name fails here, not on the GPU machine): port, memory share, connector and role,

@@ -50,8 +50,8 @@ class VllmSession:
 
     def environment(self) -> dict:
         """``offline.greedy_tokens``' settings (OpenMP on every core, none reserved, vLLM's CPU platform,
-        its engine in this one process) and a client's (nothing online); the script drops to one thread
-        after a greedy run, as ``servers.client_env`` gives ``vllm bench serve``."""
+        its engine in this one process) and a client's (nothing online); the script runs a ``vllm`` command
+        on one thread, as ``servers.client_env`` gives ``vllm bench serve``."""
         env = cpu_env()
         env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
                     "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",

@@ -80,12 +80,12 @@ def serve(answers) -> None:
         t0 = time.perf_counter()
         try:
             request = json.loads(line)
-            if "greedy" in request:
+            if "greedy" in request:  # vLLM's CPU worker sets its own threads (VLLM_CPU_OMP_THREADS_BIND)
                 answer = {"ok": True, **greedy_tokens(request["greedy"])}
                 gc.collect()  # the LLM and its KV cache go now, not at some later collection
-                import torch
-                torch.set_num_threads(1)  # from here on a client: off the cores the servers it measures use
             elif "vllm" in request:
+                import torch
+                torch.set_num_threads(1)  # a client, as `servers.client_env` runs the command: off the servers' cores
                 rc = run_vllm_command(request["vllm"])
                 answer = {"ok": rc == 0, "rc": rc}
                 if rc:
