@@ -35,3 +35,54 @@ def test_rounds_only_needs_rounds():
     sc.add_arguments(p)
     with pytest.raises(ValueError, match="guidellm-rounds"):
         sc.main(p.parse_args(["--only-guidellm-rounds"]))
+
+
+def burst(*triples):
+    """Rounds of the burst: (engine, tok/s, P99 ITL ms) per server, one tuple per round."""
+    return [{"round": i, "engine": e, "output_throughput": tps, "p99_itl_ms": itl}
+            for i, servers in enumerate(triples) for e, tps, itl in servers]
+
+
+def test_burst_rounds_give_a_line_per_engine_of_ours_with_the_p99_itl_medians():
+    rows = burst([("ours", 127.0, 700.0), ("vllm", 110.0, 2800.0), ("ours@2048", 133.0, 1500.0)],
+                 [("ours", 125.0, 690.0), ("vllm", 115.0, 2400.0), ("ours@2048", 140.0, 1400.0)],
+                 [("ours", 130.0, 710.0), ("vllm", 100.0, 2600.0), ("ours@2048", 120.0, 1600.0)])
+    lines = sc.rounds_summary(rows, "burst").splitlines()
+    assert len(lines) == 2 and lines[0].startswith("burst, 3 rounds (ours / vLLM")  # ours first, then the variant
+    assert "1.15x" in lines[0] and "1.09x" in lines[0] and "1.30x" in lines[0]
+    assert lines[0].endswith("median 1.15x; median P99 ITL 700 ms against 2,600 ms")
+    assert "(ours@2048 / vLLM" in lines[1] and "median 1.21x" in lines[1]  # 1.21, 1.22, 1.20
+    # a round where a server failed (no throughput) is left out of that engine's pairs, not counted as zero
+    failed = rows + [{"round": 3, "engine": "ours", "output_throughput": None}, {"round": 3, "engine": "vllm",
+                                                                                 "output_throughput": 90.0}]
+    assert sc.rounds_summary(failed, "burst").splitlines()[0].startswith("burst, 3 rounds")
+
+
+def test_the_table_prints_the_burst_rounds_before_guidellms():
+    report = {"machine": MACHINE, "results": {}, "guidellm_rounds": rounds((150.0, 140.0)),
+              "burst_rounds": burst([("ours", 132.0, 700.0), ("vllm", 110.0, 2500.0)])}
+    text = sc.format_table(report)
+    assert text.index("burst alone, 1 rounds") < text.index("guidellm alone, 1 rounds")
+    assert "1.20x" in text and "1.07x" in text
+
+
+def test_engines_name_a_budget_and_nothing_else():
+    assert sc.parse_engines("ours, vllm,ours@2048") == ["ours", "vllm", "ours@2048"]
+    for bad in ("ours@0", "ours@x", "ours@", "theirs", ""):
+        with pytest.raises(ValueError, match="ours@N"):
+            sc.parse_engines(bad)
+    assert sc.server_args("ours@2048")[-2:] == ["--max-num-batched-tokens", "2048"]
+    assert "--max-num-batched-tokens" not in sc.server_args("ours")  # the default budget is the server's own
+    assert "--engine-in-process" in sc.server_args("ours-thread")
+
+
+def test_only_rounds_accepts_burst_rounds_alone_and_refuses_negatives():
+    p = argparse.ArgumentParser()
+    sc.add_arguments(p)
+    args = p.parse_args(["--only-rounds", "--burst-rounds", "2", "--rounds-engines", "ours,vllm"])
+    assert args.only_rounds and args.burst_rounds == 2 and args.rounds_engines == "ours,vllm"
+    assert p.parse_args(["--only-guidellm-rounds"]).only_rounds  # the older spelling still works
+    with pytest.raises(ValueError, match="burst-rounds"):
+        sc.main(p.parse_args(["--burst-rounds", "-1"]))
+    with pytest.raises(ValueError, match="ours@N"):
+        sc.main(p.parse_args(["--engines", "ours,nope"]))

@@ -3,7 +3,8 @@
 Offline ratios (``bench compare``) say how fast an engine is; users meet it behind its HTTP server,
 through their own clients. So this starts each server in turn (never two at once: they would share
 the two cores), each with its own defaults as a user would start it — ours in its two designs if asked
-(``ours``: the engine core in its own process, the default; ``ours-thread``: ``--engine-in-process``) —
+(``ours``: the engine core in its own process, the default; ``ours-thread``: ``--engine-in-process``;
+``ours@N``: ours with a step budget of N tokens, e.g. ``ours@2048``, vLLM's own CPU default beside our 512) —
 and drives it with the outside clients over the same workloads:
 
 * ``vllm bench serve`` (vLLM's own client, from ``.venv-vllm``): prefill-heavy traffic all at once
@@ -16,8 +17,11 @@ and drives it with the outside clients over the same workloads:
 
 Every client counts output tokens from the server's ``usage`` or its own tokenizer and starts TTFT at
 the first chunk, as users' clients do. The JSON says which machine, which date and which versions;
-``format_table`` prints the rows side by side with ours / vLLM ratios. ``--guidellm-rounds N`` adds N
-guidellm-only rounds, the servers alternating, and prints each round's ratio and their median.
+``format_table`` prints the rows side by side with ours / vLLM ratios. ``--guidellm-rounds N`` and
+``--burst-rounds N`` add N rounds of guidellm alone or of the prefill-heavy burst alone, the servers
+alternating and each started afresh, and print each round's ratio and their median: on two cores one run's
+ratio moves by several per cent (``benchmarks/README.md`` has the runs), so a target near a ratio is read
+from the median of rounds, not from one run.
 
     python -m labsupport bench serve-compare --json benchmarks/serve-compare-cpu-DATE.json
 """
@@ -27,6 +31,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import tempfile
 import threading
@@ -36,7 +41,8 @@ from pathlib import Path
 
 from ..summary import write_report
 
-ENGINES = ("ours", "ours-thread", "vllm")
+ENGINES = ("ours", "ours-thread", "vllm")  # and "ours@N": ours with --max-num-batched-tokens N
+BUDGET_ENGINE = re.compile(r"ours@([1-9][0-9]*)")
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -65,16 +71,25 @@ def guidellm_bin() -> Path:
     return Path(os.environ.get("LABSUPPORT_GUIDELLM", REPO / ".venv-clients" / "bin" / "guidellm"))
 
 
+def server_args(engine: str) -> list[str]:
+    """Our server's flags for ``engine`` (``ours``, ``ours-thread``, ``ours@N``): its defaults, our context length,
+    the served name ``smol``, and only what the engine's name says besides."""
+    args = ["--served-model-name", "smol", "--max-model-len", str(MAX_MODEL_LEN)]
+    if engine == "ours-thread":
+        args.append("--engine-in-process")
+    budget = BUDGET_ENGINE.fullmatch(engine)
+    if budget:
+        args += ["--max-num-batched-tokens", budget.group(1)]
+    return args
+
+
 def start_server(engine: str, folder: str):
-    """The server as a user starts it: its defaults, our context length, the served name ``smol``."""
+    """The server as a user starts it (``server_args``; vLLM with its own defaults and our context length)."""
     if engine == "vllm":
         from ...servers import VllmServer
         return VllmServer(folder, max_model_len=MAX_MODEL_LEN).start()
     from ...pd.cluster import Worker
-    args = ["--served-model-name", "smol", "--max-model-len", str(MAX_MODEL_LEN)]
-    if engine == "ours-thread":
-        args.append("--engine-in-process")
-    return Worker(None, None, None, folder, args, name=engine).start()
+    return Worker(None, None, None, folder, server_args(engine), name=engine).start()
 
 
 def run_vllm_bench(url: str, load: VllmBenchLoad, folder: str, timeout_s: float = 900) -> dict:
@@ -157,42 +172,70 @@ def probe_first_chunk(url: str, background: int = 16, timeout_s: float = 300) ->
     return {"first_chunk_ms": 1000 * (first_chunk - start), "first_text_ms": 1000 * (first_text - start)}
 
 
-def guidellm_rounds(engines: list[str], rounds: int, folder: str, shape: dict, log=print) -> list[dict]:
-    """guidellm alone, ``rounds`` times per server, the servers alternating and each started afresh: the spread
-    of a figure one run cannot settle: at 16 closed-loop streams the two servers are level, so one run of each
-    says more about the moment than about the servers (``benchmarks/README.md`` has the runs)."""
+def alternating_rounds(engines: list[str], rounds: int, folder: str, run, log=print, label: str = "guidellm") -> list[dict]:
+    """``run(url)`` alone, ``rounds`` times per server, the servers alternating and each started afresh: the spread
+    of a figure one run cannot settle (at 16 closed-loop guidellm streams the two servers are level, and the
+    burst's ratio moved 1.09x-1.16x between runs of one VM), so one run of each says more about the moment than
+    about the servers (``benchmarks/README.md`` has the runs)."""
     from ...pd.cluster import stop_all
     rows = []
     for i in range(rounds):
         for engine in engines:
             server = start_server(engine, folder)
             try:
-                got = run_guidellm(server.url, folder, shape)
+                got = run(server.url)
             finally:
                 stop_all([server])
             rows.append({"round": i, "engine": engine, **got})
-            log(f"  guidellm round {i + 1}/{rounds}, {engine}: {got}")
+            log(f"  {label} round {i + 1}/{rounds}, {engine}: {got.get('output_throughput', got)}")
     return rows
 
 
-def rounds_summary(rows: list[dict]) -> str:
-    """Each round's ours / vLLM output tok/s and their median; '' without both servers in a round."""
-    by_round: dict[int, dict[str, float]] = {}
+def guidellm_rounds(engines: list[str], rounds: int, folder: str, shape: dict, log=print) -> list[dict]:
+    """guidellm alone, ``rounds`` rounds (``alternating_rounds``)."""
+    return alternating_rounds(engines, rounds, folder, lambda url: run_guidellm(url, folder, shape), log, "guidellm")
+
+
+def burst_rounds(engines: list[str], rounds: int, folder: str, load: VllmBenchLoad, log=print) -> list[dict]:
+    """``vllm bench serve``'s prefill-heavy burst alone, ``rounds`` rounds (``alternating_rounds``)."""
+    return alternating_rounds(engines, rounds, folder, lambda url: run_vllm_bench(url, load, folder), log, "burst")
+
+
+def _median(values: list[float]) -> float:
+    values, mid = sorted(values), len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def rounds_summary(rows: list[dict], label: str = "guidellm alone") -> str:
+    """Each round's ours / vLLM output tok/s and their median, a line for each of our engines in the rounds
+    (``ours`` first); with ``vllm bench serve``'s rows also the medians of the rounds' P99 ITL. '' without
+    vLLM and one of ours in a round."""
+    by_round: dict[int, dict[str, dict]] = {}
     for r in rows:
         if r.get("output_throughput"):
-            by_round.setdefault(r["round"], {})[r["engine"]] = r["output_throughput"]
-    pairs = [(i, v["ours"], v["vllm"]) for i, v in sorted(by_round.items()) if "ours" in v and "vllm" in v]
-    if not pairs:
-        return ""
-    ratios = sorted(a / b for _, a, b in pairs)
-    mid = len(ratios) // 2
-    median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
-    each = "; ".join(f"{a:.1f} / {b:.1f} = {a / b:.2f}x" for _, a, b in pairs)
-    return f"guidellm alone, {len(pairs)} rounds (ours / vLLM output tok/s): {each}; median {median:.2f}x"
+            by_round.setdefault(r["round"], {})[r["engine"]] = r
+    ours = sorted({e for v in by_round.values() for e in v if e != "vllm"}, key=lambda e: (e != "ours", e))
+    lines = []
+    for engine in ours:
+        pairs = [(v[engine], v["vllm"]) for _, v in sorted(by_round.items()) if engine in v and "vllm" in v]
+        if not pairs:
+            continue
+        ratios = [a["output_throughput"] / b["output_throughput"] for a, b in pairs]
+        each = "; ".join(f"{a['output_throughput']:.1f} / {b['output_throughput']:.1f} = {a['output_throughput'] / b['output_throughput']:.2f}x"
+                         for a, b in pairs)
+        itl = ""
+        if all(a.get("p99_itl_ms") and b.get("p99_itl_ms") for a, b in pairs):
+            itl = (f"; median P99 ITL {_median([a['p99_itl_ms'] for a, _ in pairs]):,.0f} ms against "
+                   f"{_median([b['p99_itl_ms'] for _, b in pairs]):,.0f} ms")
+        lines.append(f"{label}, {len(pairs)} rounds ({engine} / vLLM output tok/s): {each}; "
+                     f"median {_median(ratios):.2f}x{itl}")
+    return "\n".join(lines)
 
 
 def measure(engines: list[str], quick: bool = False, folder: str | None = None, log=print, rounds: int = 0,
-            only_rounds: bool = False) -> dict:
+            only_rounds: bool = False, burst: int = 0, round_engines: list[str] | None = None) -> dict:
+    """The table's loads on each of ``engines`` (unless ``only_rounds``), then ``rounds`` guidellm rounds and
+    ``burst`` burst rounds on ``round_engines`` (default: ``engines``)."""
     from ...models.loader import prepare_default_model
     from ...machine import machine
     folder = str(folder or prepare_default_model())
@@ -217,8 +260,10 @@ def measure(engines: list[str], quick: bool = False, folder: str | None = None, 
         finally:
             stop_all([server])
     report = {"machine": machine(), "loads": [vars(x) for x in loads], "guidellm_shape": shape, "results": results}
+    if burst:
+        report["burst_rounds"] = burst_rounds(round_engines or engines, burst, folder, loads[0], log)
     if rounds:
-        report["guidellm_rounds"] = guidellm_rounds(engines, rounds, folder, shape, log)
+        report["guidellm_rounds"] = guidellm_rounds(round_engines or engines, rounds, folder, shape, log)
     return report
 
 
@@ -236,7 +281,7 @@ TABLE = [("burst", "output_throughput", "vllm bench serve, prefill-heavy burst: 
 
 def format_table(report: dict) -> str:
     """Rows side by side; the last column is ours / vLLM where higher is better, vLLM / ours where lower is.
-    Then the guidellm rounds, if any (with ``--only-guidellm-rounds``, only them)."""
+    Then the rounds, if any (with ``--only-rounds``, only them)."""
     results = report["results"]
     engines, both = list(results), {"ours", "vllm"} <= set(results)
     lines = []
@@ -251,9 +296,10 @@ def format_table(report: dict) -> str:
             ratio = (a / b if higher else b / a) if a and b else None
             cells.append("-" if ratio is None else f"{ratio:.2f}x")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    summary = rounds_summary(report.get("guidellm_rounds", []))
-    if summary:
-        lines.append(summary)
+    for key, label in (("burst_rounds", "vllm bench serve burst alone"), ("guidellm_rounds", "guidellm alone")):
+        summary = rounds_summary(report.get(key, []), label)
+        if summary:
+            lines.append(summary)
     m = report["machine"]
     lines.append(f"\n{m['date']}, {m['cpu']}, {m['cores']} cores; each server alone, its own defaults, "
                  f"max_model_len {MAX_MODEL_LEN}. Ratios above 1 favour ours.")
@@ -261,22 +307,36 @@ def format_table(report: dict) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser):
-    p.add_argument("--engines", default="ours,vllm", help=f"comma-separated, of {','.join(ENGINES)}")
+    p.add_argument("--engines", default="ours,vllm", help=f"comma-separated, of {','.join(ENGINES)} or ours@N "
+                   "(ours with a step budget of N tokens)")
     p.add_argument("--quick", action="store_true", help="small loads: a smoke test of the whole pipeline")
     p.add_argument("--json", metavar="FILE", default=None, help="save the report (machine, date, every figure)")
     p.add_argument("--model", default=None, help="HF folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--guidellm-rounds", type=int, default=0, metavar="N",
                    help="then N guidellm-only rounds, the servers alternating, each started afresh (its spread)")
-    p.add_argument("--only-guidellm-rounds", action="store_true", help="the rounds only, not the table's loads")
+    p.add_argument("--burst-rounds", type=int, default=0, metavar="N",
+                   help="then N rounds of the prefill-heavy burst alone, the servers alternating, each started afresh")
+    p.add_argument("--rounds-engines", default=None, help="the rounds' servers (default: --engines)")
+    p.add_argument("--only-rounds", "--only-guidellm-rounds", dest="only_rounds", action="store_true",
+                   help="the rounds only, not the table's loads")
+
+
+def parse_engines(text: str) -> list[str]:
+    """``--engines``' list, each of ``ENGINES`` or ``ours@N``; ValueError naming what is not."""
+    engines = [e.strip() for e in text.split(",") if e.strip()]
+    if not engines or any(e not in ENGINES and not BUDGET_ENGINE.fullmatch(e) for e in engines):
+        raise ValueError(f"unknown engines {text!r}: choose from {','.join(ENGINES)} or ours@N (N tokens a step)")
+    return engines
 
 
 def main(args) -> int:
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    if not engines or set(engines) - set(ENGINES):
-        raise ValueError(f"unknown engines {args.engines!r}: choose from {','.join(ENGINES)}")
-    if args.guidellm_rounds < 0 or (args.only_guidellm_rounds and not args.guidellm_rounds):
-        raise ValueError("--guidellm-rounds must be >= 0, and > 0 with --only-guidellm-rounds")
-    report = measure(engines, args.quick, args.model, rounds=args.guidellm_rounds, only_rounds=args.only_guidellm_rounds)
+    engines = parse_engines(args.engines)
+    round_engines = parse_engines(args.rounds_engines) if args.rounds_engines else engines
+    if (args.guidellm_rounds < 0 or args.burst_rounds < 0
+            or (args.only_rounds and not (args.guidellm_rounds or args.burst_rounds))):
+        raise ValueError("--guidellm-rounds and --burst-rounds must be >= 0, and one > 0 with --only-rounds")
+    report = measure(engines, args.quick, args.model, rounds=args.guidellm_rounds, only_rounds=args.only_rounds,
+                     burst=args.burst_rounds, round_engines=round_engines)
     print(format_table(report))
     if args.json:
         write_report(args.json, report)
