@@ -187,7 +187,24 @@ def test_a_priority_is_refused_where_the_policy_would_ignore_it():
         with pytest.raises(ValueError, match="priority must be an integer"):
             e.add_request([1, 2, 3], GREEDY, priority=bad)
     with pytest.raises(ValueError, match="scheduling_policy must be one of"):
-        LLM(device="cpu", scheduling_policy="fcfs")
+        LLM(device="cpu", scheduling_policy="lifo")
+
+
+def test_vllms_fcfs_is_first_come_first_served_and_refuses_a_priority_the_same_way():
+    """``scheduling_policy="fcfs"`` (vLLM's name) is ``"continuous"``: in the config, after a change on a live
+    engine, and in what it refuses; ``serve --scheduling-policy fcfs`` parses to it."""
+    e = LLM(device="cpu", scheduling_policy="fcfs").engine
+    assert e.config.scheduling_policy == "continuous" and isinstance(e.scheduler.queues.waiting, deque)
+    with pytest.raises(ValueError, match="Priority scheduling is not enabled"):
+        e.add_request([1, 2, 3], GREEDY, priority=3)
+    e.set_options(scheduling_policy="priority")
+    old = e.set_options(scheduling_policy="fcfs")
+    assert old == {"scheduling_policy": "priority"} and e.config.scheduling_policy == "continuous"
+    from labsupport.__main__ import build_parser
+    from labsupport.engine.config import EngineConfig
+    from labsupport.serve.server import engine_options
+    chosen = engine_options(build_parser().parse_args(["serve", "--scheduling-policy", "fcfs"]))["scheduling_policy"]
+    assert EngineConfig(scheduling_policy=chosen).scheduling_policy == "continuous"
 
 
 def test_priority_lowers_interactive_ttft_in_steps_and_changes_no_token():

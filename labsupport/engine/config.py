@@ -13,6 +13,8 @@ from .request_queue import POLICIES
 
 CPU_KV_CACHE_BYTES = 1 << 30  # the default KV budget on the CPU (on a GPU: gpu_memory_utilization)
 
+POLICY_ALIASES = {"fcfs": "continuous"}  # vLLM's name for first come, first served: its habit works here too
+
 RUNTIME_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
                    "long_prefill_token_threshold", "scheduling_policy")
 
@@ -69,8 +71,10 @@ class EngineConfig:
     def __post_init__(self):
         if self.kv_cache not in ("paged", "contiguous", "none"):
             raise ValueError(f"kv_cache must be 'paged', 'contiguous' or 'none', got {self.kv_cache!r}")
+        self.scheduling_policy = POLICY_ALIASES.get(self.scheduling_policy, self.scheduling_policy)
         if self.scheduling_policy not in POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
+            raise ValueError(f"scheduling_policy must be one of {POLICIES} (or vLLM's 'fcfs', which is "
+                             f"'continuous'), got {self.scheduling_policy!r}")
         non_negative = ("cpu_offload_blocks", "long_prefill_token_threshold", "chunk_cost_context")
         optional = ("num_blocks", "max_model_len", "kv_cache_memory_bytes")  # None: the engine picks
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size") + non_negative + optional:

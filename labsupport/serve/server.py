@@ -66,8 +66,8 @@ def add_serve_arguments(srv):
     srv.add_argument("--max-num-batched-tokens", type=int, default=None,
                      help=f"tokens one step may feed (default: {GPU_BATCHED_TOKENS} on a GPU, as vllm serve's, "
                           f"{CPU_BATCHED_TOKENS} on the CPU, where a step of that size takes a few hundred ms)")
-    srv.add_argument("--scheduling-policy", default="continuous", choices=["continuous", "static", "priority"],
-                     help="continuous: first come, first served (vLLM's fcfs); static: chapter 04's baseline (a batch "
+    srv.add_argument("--scheduling-policy", default="continuous", choices=["continuous", "fcfs", "static", "priority"],
+                     help="continuous (or vLLM's name, fcfs): first come, first served; static: chapter 04's baseline (a batch "
                           "admitted together, held until it drains); priority: vLLM's, a request's 'priority' field "
                           "first (smaller sooner, default 0), then its arrival; memory short, the least urgent goes")
     srv.add_argument("--kv-cache-memory-bytes", type=int, default=None,
