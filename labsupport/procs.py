@@ -33,6 +33,7 @@ fallbacks on Linux).
 from __future__ import annotations
 
 import atexit
+import collections
 import ctypes
 import os
 import shutil
@@ -146,6 +147,15 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL):
             os.kill(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def log_tail(path, lines: int = 15) -> str:
+    """The last ``lines`` lines of a child's log file, for an error message; '' where it cannot be read."""
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(collections.deque(f, maxlen=lines))
+    except OSError:
+        return ""
 
 
 def stop_children(timeout: float = STOP_TIMEOUT_S):

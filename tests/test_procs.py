@@ -124,3 +124,11 @@ def test_stop_children_and_run():
         procs.run(SLEEPER, timeout=1)
     with pytest.raises(FileNotFoundError):
         procs.popen(["no-such-command-here"])
+
+
+def test_log_tail_gives_the_last_lines_and_never_raises(tmp_path):
+    log = tmp_path / "worker.log"
+    log.write_bytes(b"".join(b"line %d\n" % i for i in range(40)) + b"bad \xff byte\n")
+    assert procs.log_tail(log, 3) == "line 38\nline 39\nbad \ufffd byte\n"  # undecodable bytes replaced, not raised
+    assert procs.log_tail(log).count("\n") == 15
+    assert procs.log_tail(tmp_path / "missing.log") == ""  # a child that never wrote its log: no error on the error path

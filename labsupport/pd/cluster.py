@@ -99,11 +99,7 @@ class Worker:
         raise TimeoutError(f"worker {self.name} was not healthy after {timeout:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            with open(self.log_path) as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return ""
+        return procs.log_tail(self.log_path, lines)
 
     def kill(self):
         """SIGKILL: the crash a router must survive (no goodbye, sockets reset)."""

@@ -65,8 +65,7 @@ def greedy_tokens(folder, prompts: list[list[int]], max_tokens: int, ignore_eos:
     except subprocess.TimeoutExpired:
         return {"skipped": f"vLLM did not finish within {timeout_s:.0f} s (log: {log_path})"}
     if done.returncode != 0 or not (work / "result.json").exists():
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
-        return {"skipped": f"vLLM failed with exit code {done.returncode} (log: {log_path}):\n{tail}"}
+        return {"skipped": f"vLLM failed with exit code {done.returncode} (log: {log_path}):\n{procs.log_tail(log_path)}"}
     return json.loads((work / "result.json").read_text())
 
 

@@ -124,11 +124,7 @@ class VllmSession:
         return self.ask({"parse_serve": list(lines)}, timeout_s)["parsed"]
 
     def log_tail(self, lines: int = 15) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return ""
+        return procs.log_tail(self.log_path, lines)
 
     def stop(self, timeout: float = 10.0):
         """Close its stdin (it exits), then SIGTERM and SIGKILL to its group if it lingers; safe twice."""

@@ -60,8 +60,7 @@ def run(folder, workloads: dict, warmup: list[list[int]], python=None, timeout_s
     except subprocess.TimeoutExpired:
         return {"skipped": f"vLLM did not finish within {timeout_s:.0f} s (log: {log_path})"}
     if done.returncode != 0 or not (work / "result.json").exists():
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
-        return {"skipped": f"vLLM failed with exit code {done.returncode} (log: {log_path}):\n{tail}"}
+        return {"skipped": f"vLLM failed with exit code {done.returncode} (log: {log_path}):\n{procs.log_tail(log_path)}"}
     raw = json.loads((work / "result.json").read_text())
     results = {key: raw[key] for key in ("startup_s", "vllm_version", "torch_version")}
     for name, r in raw["results"].items():
