@@ -293,6 +293,30 @@ def test_n_is_observed_once_per_request_when_its_last_sample_finishes(llm):
     assert m["labsupport:request_generation_tokens_sum"] == 3 * 5 + 2
 
 
+def test_an_n_sample_request_computes_its_prompt_once_and_its_samples_reuse_it(llm):
+    """n > 1 forks once the prompt is computed: samples 1 .. n-1 share its blocks and recompute only its last token
+    (``lifecycle.fork_samples``). ``/metrics`` says so as vLLM's child requests with prefix caching would: every
+    sample's prompt counts in ``prompt_tokens`` (vLLM counts per child), ``local_compute`` is what was computed
+    (``prompt_tokens_computed``), the rest ``local_cache_hit``, and the sources add up to the prompt tokens.
+    (It counted every sample's whole prompt as computed.)"""
+    from labsupport.serve.api import create_app
+    from labsupport.serve.background import BackgroundServer
+    from server_tools import post, server_metrics
+    messages = [{"role": "user", "content": "Name three birds that cannot fly, one per line."}]
+    with BackgroundServer(create_app(llm, "smol")) as srv:
+        r = post(srv, {"model": "smol", "messages": messages, "n": 3, "max_tokens": 4, "seed": 1, "ignore_eos": True})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 3, r.text
+        m = server_metrics(srv)
+    usage = r.json()["usage"]
+    p, c = usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]  # the prompt once; its own hit
+    source = {s: m[f'labsupport:prompt_tokens_by_source_total{{source="{s}"}}']
+              for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+    assert m["labsupport:prompt_tokens_total"] == 3 * p
+    assert source["local_compute"] == m["labsupport:prompt_tokens_computed_total"] == (p - c) + 2
+    assert source["local_cache_hit"] == m["labsupport:prompt_tokens_cached_total"] == c + 2 * (p - 1)
+    assert sum(source.values()) == m["labsupport:prompt_tokens_total"]
+
+
 def test_servers_in_one_process_have_their_own_registries():
     a, b = ServerMetrics("a"), ServerMetrics("b")  # would raise "Duplicated timeseries" on a shared registry
     a.counters["generation_tokens"].inc(3)

@@ -193,6 +193,9 @@ class RequestLifecycle:
         for i in range(1, req.params.n):
             child = req.fork(i)
             child.num_computed_tokens = len(req.prompt_token_ids) - 1
+            # what it reused rather than computed, counted as a prefix-cache hit is (mark_running), so /metrics'
+            # prompt sources hold what was computed: the prompt once, then one token a sample
+            child.metrics.num_cached_tokens = child.num_computed_tokens
             self.kv.fork(req, child)
             child.status = RequestStatus.RUNNING
             req.samples.append(child)

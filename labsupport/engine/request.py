@@ -288,7 +288,6 @@ class Request:
             child.logprobs.prompt = list(self.logprobs.prompt)
         child.metrics.arrival_time = self.metrics.arrival_time
         child.metrics.first_scheduled_time = self.metrics.first_scheduled_time
-        child.metrics.num_cached_tokens = self.metrics.num_cached_tokens
         return child
 
     @property
