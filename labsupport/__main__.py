@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="arrival times in seconds or in engine steps (default: wall for poisson, steps for "
                             "long-prompts)")
     bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--scheduling-policy", default="continuous", choices=["continuous", "static"])
+    bench.add_argument("--scheduling-policy", default="continuous", choices=["continuous", "fcfs", "static"])
     bench.add_argument("--enable-chunked-prefill", action="store_true")
     bench.add_argument("--long-prefill-token-threshold", type=int, default=0)
     bench.add_argument("--max-num-batched-tokens", type=int, default=8192)

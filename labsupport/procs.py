@@ -152,7 +152,7 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL):
 def log_tail(path, lines: int = 15) -> str:
     """The last ``lines`` lines of a child's log file, for an error message; '' where it cannot be read."""
     try:
-        with open(path, errors="replace") as f:
+        with open(path, encoding="utf-8", errors="replace") as f:
             return "".join(collections.deque(f, maxlen=lines))
     except OSError:
         return ""

@@ -1,5 +1,6 @@
-"""``bench serve-compare``'s own logic: the guidellm rounds' summary and the table without the loads. (The
-comparison itself starts both servers and runs for minutes: ``make serve-compare``.)"""
+"""``bench serve-compare``'s own logic: the rounds' summaries (guidellm's and the burst's, a line per engine of
+ours), the table without the loads, the engines' names and the options. (The comparison itself starts both
+servers and runs for minutes: ``make serve-compare``.)"""
 import argparse
 
 import pytest
@@ -86,3 +87,28 @@ def test_only_rounds_accepts_burst_rounds_alone_and_refuses_negatives():
         sc.main(p.parse_args(["--burst-rounds", "-1"]))
     with pytest.raises(ValueError, match="ours@N"):
         sc.main(p.parse_args(["--engines", "ours,nope"]))
+
+
+def test_an_even_number_of_rounds_takes_the_mean_of_the_middle_two_p99_itls():
+    rows = burst([("ours", 120.0, 600.0), ("vllm", 100.0, 2000.0)], [("ours", 130.0, 800.0), ("vllm", 100.0, 3000.0)])
+    assert sc.rounds_summary(rows, "burst").endswith("median 1.25x; median P99 ITL 700 ms against 2,500 ms")
+
+
+def test_a_round_that_fails_is_kept_as_an_error_and_the_rounds_go_on(tmp_path):
+    """A server that cannot start (no model where it is told to look) fails its round, not the run."""
+    ran = []
+    rows = sc.alternating_rounds(["ours"], 2, str(tmp_path / "no-model"), lambda url: ran.append(url) or {},
+                                 log=lambda *_: None)
+    assert [r["round"] for r in rows] == [0, 1] and not ran
+    assert all(r["engine"] == "ours" and r["error"] and "output_throughput" not in r for r in rows)
+    assert sc.rounds_summary(rows, "burst") == ""
+
+
+def test_rounds_need_vllm_and_one_of_ours_and_rounds_engines_need_rounds():
+    p = argparse.ArgumentParser()
+    sc.add_arguments(p)
+    with pytest.raises(ValueError, match="needs vllm"):
+        sc.main(p.parse_args(["--burst-rounds", "1", "--rounds-engines", "ours,ours@2048"]))
+    with pytest.raises(ValueError, match="give --burst-rounds or --guidellm-rounds"):
+        sc.main(p.parse_args(["--rounds-engines", "ours,vllm"]))
+    assert sc.parse_engines("ours,vllm,ours") == ["ours", "vllm"]  # each once: one result per name

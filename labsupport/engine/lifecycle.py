@@ -193,8 +193,9 @@ class RequestLifecycle:
         for i in range(1, req.params.n):
             child = req.fork(i)
             child.num_computed_tokens = len(req.prompt_token_ids) - 1
-            # what it reused rather than computed, counted as a prefix-cache hit is (mark_running), so /metrics'
-            # prompt sources hold what was computed: the prompt once, then one token a sample
+            # what it reused rather than computed, so /metrics' prompt_tokens_cached and local_cache_hit hold it and
+            # local_compute holds what was computed: the prompt once, then one token a sample (no prefix-cache
+            # lookup was made, so the cache's queries and hits do not count it)
             child.metrics.num_cached_tokens = child.num_computed_tokens
             self.kv.fork(req, child)
             child.status = RequestStatus.RUNNING

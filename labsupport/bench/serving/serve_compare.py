@@ -175,17 +175,23 @@ def probe_first_chunk(url: str, background: int = 16, timeout_s: float = 300) ->
 def alternating_rounds(engines: list[str], rounds: int, folder: str, run, log=print, label: str = "guidellm") -> list[dict]:
     """``run(url)`` alone, ``rounds`` times per server, the servers alternating and each started afresh: the spread
     of a figure one run cannot settle (at 16 closed-loop guidellm streams the two servers are level, and the
-    burst's ratio moved 1.09x-1.16x between runs of one VM), so one run of each says more about the moment than
-    about the servers (``benchmarks/README.md`` has the runs)."""
+    burst's ratio moved 1.06x-1.17x between runs and rounds on one VM), so one run of each says more about the
+    moment than about the servers (``benchmarks/README.md`` has the runs). A round that fails (a server that does
+    not start, a client that errors) is kept as ``{"error": ...}`` and the rounds go on: its pair is left out of
+    the summary, and what the other rounds measured is not lost."""
     from ...pd.cluster import stop_all
     rows = []
     for i in range(rounds):
         for engine in engines:
-            server = start_server(engine, folder)
+            server = None
             try:
+                server = start_server(engine, folder)
                 got = run(server.url)
+            except Exception as exc:  # noqa: BLE001 - one failed round must not lose the others
+                got = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
             finally:
-                stop_all([server])
+                if server is not None:
+                    stop_all([server])
             rows.append({"round": i, "engine": engine, **got})
             log(f"  {label} round {i + 1}/{rounds}, {engine}: {got.get('output_throughput', got)}")
     return rows
@@ -234,8 +240,8 @@ def rounds_summary(rows: list[dict], label: str = "guidellm alone") -> str:
 
 def measure(engines: list[str], quick: bool = False, folder: str | None = None, log=print, rounds: int = 0,
             only_rounds: bool = False, burst: int = 0, round_engines: list[str] | None = None) -> dict:
-    """The table's loads on each of ``engines`` (unless ``only_rounds``), then ``rounds`` guidellm rounds and
-    ``burst`` burst rounds on ``round_engines`` (default: ``engines``)."""
+    """The table's loads on each of ``engines`` (unless ``only_rounds``), then ``burst`` burst rounds and
+    ``rounds`` guidellm rounds on ``round_engines`` (default: ``engines``)."""
     from ...models.loader import prepare_default_model
     from ...machine import machine
     folder = str(folder or prepare_default_model())
@@ -323,7 +329,7 @@ def add_arguments(p: argparse.ArgumentParser):
 
 def parse_engines(text: str) -> list[str]:
     """``--engines``' list, each of ``ENGINES`` or ``ours@N``; ValueError naming what is not."""
-    engines = [e.strip() for e in text.split(",") if e.strip()]
+    engines = list(dict.fromkeys(e.strip() for e in text.split(",") if e.strip()))  # each once: a result per name
     if not engines or any(e not in ENGINES and not BUDGET_ENGINE.fullmatch(e) for e in engines):
         raise ValueError(f"unknown engines {text!r}: choose from {','.join(ENGINES)} or ours@N (N tokens a step)")
     return engines
@@ -335,6 +341,11 @@ def main(args) -> int:
     if (args.guidellm_rounds < 0 or args.burst_rounds < 0
             or (args.only_rounds and not (args.guidellm_rounds or args.burst_rounds))):
         raise ValueError("--guidellm-rounds and --burst-rounds must be >= 0, and one > 0 with --only-rounds")
+    if args.guidellm_rounds or args.burst_rounds:
+        if "vllm" not in round_engines or len(round_engines) < 2:
+            raise ValueError("the rounds compare with vLLM: --rounds-engines (or --engines) needs vllm and one of ours")
+    elif args.rounds_engines:
+        raise ValueError("--rounds-engines picks the rounds' servers: give --burst-rounds or --guidellm-rounds too")
     report = measure(engines, args.quick, args.model, rounds=args.guidellm_rounds, only_rounds=args.only_rounds,
                      burst=args.burst_rounds, round_engines=round_engines)
     print(format_table(report))
