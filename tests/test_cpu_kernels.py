@@ -206,15 +206,21 @@ def test_the_other_instruction_sets_compute_the_same(built, vectors):
     if vectors == "avx2" and platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("AVX2 is x86's")
     flags = ["-O3", "-fopenmp"] + (["-mavx2", "-mfma"] if vectors == "avx2" else [])
-    model = load_inline(f"labsupport_test_model_{vectors}",
-                        cpp_sources=jit.sources(["model_ops.cpp", "products.cpp"]),
-                        functions=["rms_norm", "silu_mul", "thin_product", "panel_product", "vector_width"],
-                        extra_cflags=flags + ["-ffp-contract=off"], extra_ldflags=["-fopenmp"],
-                        extra_include_paths=[str(jit.CSRC)])
-    decode = load_inline(f"labsupport_test_attention_{vectors}",
-                         cpp_sources=jit.sources(["paged_decode.cpp", "paged_prefill.cpp"]),
-                         functions=["paged_decode", "paged_prefill"], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                         extra_include_paths=[str(jit.CSRC)])
+
+    def build(name, files, functions, cflags):
+        # in our build folders, under our build lock: a run killed mid-build (a cancelled CI job) left torch's
+        # baton in its default folder, and every later run of this test waited on it forever
+        directory = jit._build_directory(name)
+        with jit.exclusive_build(directory):
+            return load_inline(name, cpp_sources=jit.sources(files), functions=functions, extra_cflags=cflags,
+                               extra_ldflags=["-fopenmp"], extra_include_paths=[str(jit.CSRC)],
+                               build_directory=directory)
+
+    model = build(f"labsupport_test_model_{vectors}", ["model_ops.cpp", "products.cpp"],
+                  ["rms_norm", "silu_mul", "thin_product", "panel_product", "vector_width"],
+                  flags + ["-ffp-contract=off"])
+    decode = build(f"labsupport_test_attention_{vectors}", ["paged_decode.cpp", "paged_prefill.cpp"],
+                   ["paged_decode", "paged_prefill"], flags)
     width = 2 * model.vector_width()
     assert width == 16
     x, weight = torch.randn(3, 40) * 3, torch.randn(40)  # 40: two vectors and a tail of 8 with AVX-512, 5 with AVX2
