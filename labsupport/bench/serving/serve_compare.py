@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...percentiles import percentile
 from ..summary import write_report
 
 ENGINES = ("ours", "ours-thread", "vllm")  # and "ours@N": ours with --max-num-batched-tokens N
@@ -207,11 +208,6 @@ def burst_rounds(engines: list[str], rounds: int, folder: str, load: VllmBenchLo
     return alternating_rounds(engines, rounds, folder, lambda url: run_vllm_bench(url, load, folder), log, "burst")
 
 
-def _median(values: list[float]) -> float:
-    values, mid = sorted(values), len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-
-
 def rounds_summary(rows: list[dict], label: str = "guidellm alone") -> str:
     """Each round's ours / vLLM output tok/s and their median, a line for each of our engines in the rounds
     (``ours`` first); with ``vllm bench serve``'s rows also the medians of the rounds' P99 ITL. '' without
@@ -231,10 +227,10 @@ def rounds_summary(rows: list[dict], label: str = "guidellm alone") -> str:
                          for a, b in pairs)
         itl = ""
         if all(a.get("p99_itl_ms") and b.get("p99_itl_ms") for a, b in pairs):
-            itl = (f"; median P99 ITL {_median([a['p99_itl_ms'] for a, _ in pairs]):,.0f} ms against "
-                   f"{_median([b['p99_itl_ms'] for _, b in pairs]):,.0f} ms")
+            itl = (f"; median P99 ITL {percentile([a['p99_itl_ms'] for a, _ in pairs], 50):,.0f} ms against "
+                   f"{percentile([b['p99_itl_ms'] for _, b in pairs], 50):,.0f} ms")
         lines.append(f"{label}, {len(pairs)} rounds ({engine} / vLLM output tok/s): {each}; "
-                     f"median {_median(ratios):.2f}x{itl}")
+                     f"median {percentile(ratios, 50):.2f}x{itl}")
     return "\n".join(lines)
 
 
