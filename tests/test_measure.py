@@ -1,0 +1,203 @@
+"""The measurement discipline (``labsupport/measure.py``) on planted data: samples whose true ratio is known."""
+import numpy as np
+import pytest
+
+from labsupport.measure import (AGAIN, Band, Interval, Verdict, interleaved, median_and_tail, noise_band, one_run_each,
+                                ratio_interval, tail_with_n, trend, verdict, with_n)
+
+FAST = {"n_resamples": 500}  # the tests' intervals: enough resamples to place their ends, quick on one core
+
+
+def three_draws(seed: int, n: int, sigma: float, shift: float):
+    """A, A again, and B = shift x A's distribution: lognormal noise of ``sigma`` around 1 (about sigma x 100 %)."""
+    rng = np.random.default_rng(seed)
+    return rng.lognormal(0, sigma, n), rng.lognormal(0, sigma, n), shift * rng.lognormal(0, sigma, n)
+
+
+def word(a, a_again, b, seed, **kw):
+    return verdict(a, b, noise_band(a, a_again, seed=seed, **FAST), seed=seed, **FAST, **kw).word
+
+
+def test_samples_from_one_distribution_read_level_in_nine_seeds_of_ten():
+    words = [word(*three_draws(seed, 30, 0.2, 1.0), seed) for seed in range(40)]
+    assert words.count("level") >= 36, words
+
+
+def test_a_planted_1_3x_shift_reads_higher_and_the_reverse_lower():
+    for seed in range(10):
+        a, a_again, b = three_draws(seed, 30, 0.1, 1.3)
+        assert word(a, a_again, b, seed) == "higher"
+        assert word(*three_draws(seed, 30, 0.1, 1 / 1.3), seed) == "lower"
+
+
+def test_a_3_percent_shift_in_noisy_data_reads_level():
+    assert {word(*three_draws(seed, 30, 0.2, 1.03), seed) for seed in range(10)} == {"level"}
+
+
+def test_the_band_always_contains_one():
+    a = np.linspace(1.0, 2.0, 20)
+    for factor in (0.5, 0.9, 1.0, 1.1, 2.0):  # a run again that drifted far either way still yields a band holding 1
+        band = noise_band(a, factor * a, **FAST)
+        assert band.low <= 1.0 <= band.high and 1.0 in band and band.n == 20
+    assert noise_band(a, 2 * a, paired=True, **FAST) == Band(1.0, 2.0, 20)  # every resample 2x: widened to 1
+
+
+def test_the_same_seed_gives_the_same_interval():
+    a, _, b = three_draws(0, 25, 0.2, 1.1)
+    assert ratio_interval(a, b, seed=7, **FAST) == ratio_interval(a, b, seed=7, **FAST)
+    assert ratio_interval(a, b, seed=7, **FAST) != ratio_interval(a, b, seed=8, **FAST)
+
+
+def test_the_interval_holds_the_ratio_of_the_statistic_and_the_counts():
+    iv = ratio_interval([1.0, 2.0, 3.0], [2.0, 4.0, 6.0, 8.0], stat="mean", **FAST)
+    assert iv.ratio == pytest.approx(5.0 / 2.0) and (iv.n_a, iv.n_b) == (3, 4) and iv.low <= iv.ratio <= iv.high
+    tenth = ratio_interval([1.0] * 9 + [5.0], [2.0] * 9 + [7.0], stat=lambda x: np.percentile(x, 90), **FAST)
+    assert tenth.ratio == pytest.approx(np.percentile([2.0] * 9 + [7.0], 90) / np.percentile([1.0] * 9 + [5.0], 90))
+
+
+@pytest.mark.parametrize("stat", ["median", "mean"])
+def test_pairing_narrows_the_interval_when_rounds_drift_together(stat):
+    rng = np.random.default_rng(3)
+    rounds = rng.lognormal(0, 0.5, 30)  # each round's machine: slow or fast for everyone in it
+    a, a_again = rounds * rng.lognormal(0, 0.05, 30), rounds * rng.lognormal(0, 0.05, 30)
+    b = 1.1 * rounds * rng.lognormal(0, 0.05, 30)
+    unpaired, paired = (ratio_interval(a, b, stat, paired=p, **FAST) for p in (False, True))
+    assert paired.high - paired.low < 0.6 * (unpaired.high - unpaired.low)
+    if stat == "mean":  # the drift cancels: 10 % shows, where unpaired it drowns
+        assert verdict(a, b, noise_band(a, a_again, stat, paired=True, **FAST), stat=stat, paired=True,
+                       **FAST).word == "higher"
+        assert verdict(a, b, noise_band(a, a_again, stat, **FAST), stat=stat, **FAST).word == "level"
+
+
+def test_the_phrase_gives_the_factor_its_interval_the_counts_and_the_band():
+    band = Band(0.92, 1.09, 24)
+    up = Verdict("higher", 1, Interval(1.31, 1.18, 1.45, 24, 24), band)
+    assert str(up) == "1.31x higher (95 % interval 1.18-1.45x, n = 24 vs 24; A/A band 0.92-1.09x)"
+    down = Verdict("faster", -1, Interval(0.5, 0.45, 0.55, 24, 30), Band(0.8, 1.25, 24))
+    assert down.describe() == "2.00x faster (95 % interval 1.82-2.22x, n = 24 vs 30; A/A band 0.80-1.25x)"
+    inside = Verdict("level", 0, Interval(0.97, 0.93, 1.05, 24, 24), band)
+    assert str(inside) == "level (0.97x, 95 % interval 0.93-1.05x within the A/A band 0.92-1.09x, n = 24 vs 24)"
+    across = Verdict("level", 0, Interval(1.1, 1.02, 1.2, 24, 24), band)
+    assert "overlapping the A/A band" in str(across)
+    assert up.as_dict() | {"band_low": 0} == {**up.as_dict(), "band_low": 0} and up.as_dict()["low"] == 1.18
+
+
+def test_the_callers_words_and_which_way_is_better():
+    a, a_again, b = three_draws(1, 30, 0.1, 1.3)  # b: latencies 1.3x longer
+    band = noise_band(a, a_again, **FAST)
+    worse = verdict(a, b, band, higher="slower", lower="faster", higher_is_better=False, **FAST)
+    assert (worse.word, worse.sign, worse.better) == ("slower", 1, False)
+    better = verdict(b, a, noise_band(b, a_again * 1.3, **FAST), higher="slower", lower="faster",
+                     higher_is_better=False, **FAST)
+    assert (better.word, better.sign, better.better) == ("faster", -1, True)
+    same = verdict(a, a_again, band, level="within noise", higher_is_better=True, **FAST)
+    assert (same.word, same.better) == ("within noise", None)
+    assert verdict(a, b, band, **FAST).better is None  # no direction said: no judgement
+
+
+def test_bad_samples_are_refused_with_a_reason():
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        ratio_interval([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="b needs at least 2"):
+        ratio_interval([1.0, 2.0], [])
+    with pytest.raises(ValueError, match="non-finite"):
+        ratio_interval([1.0, float("nan")], [1.0, 2.0])
+    with pytest.raises(ValueError, match="non-finite"):
+        ratio_interval([1.0, 2.0], [1.0, float("inf")])
+    with pytest.raises(ValueError, match="positive denominator"):
+        ratio_interval([0.0, 0.0, 0.0, 1.0], [1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="zero in some resamples"):
+        ratio_interval([0.0, 0.0, 1.0, 1.0, 1.0], [1.0] * 5, **FAST)
+    with pytest.raises(ValueError, match="same count"):
+        ratio_interval([1.0, 2.0, 3.0], [1.0, 2.0], paired=True)
+    with pytest.raises(ValueError, match="stat must be"):
+        ratio_interval([1.0, 2.0], [1.0, 2.0], stat="p99")
+
+
+def recording(calls: list, value):
+    def run():
+        calls.append(run.name)
+        return value() if callable(value) else value
+    return run
+
+
+def test_interleaved_rotates_the_order_and_runs_the_repeat_twice_a_round():
+    calls = []
+    runs = {name: recording(calls, v) for name, v in (("A", 1.0), ("B", [2.0, 2.5]), ("C", 3.0))}
+    for name, run in runs.items():
+        run.name = name
+    exp = interleaved(runs, rounds=4, warmup=1, progress=False)
+    assert len(calls) == 5 * 4 and calls.count("A") == 2 * 5  # the warm-up round ran, A twice in every round
+    firsts = [order[0] for order in exp.order]
+    assert len(set(firsts)) == 4, exp.order  # four rounds, four different configurations first
+    assert all(sorted(order) == sorted(["A", "A" + AGAIN, "B", "C"]) for order in exp.order)
+    s = exp.samples
+    assert {k: len(v) for k, v in s.items()} == {"A": 4, "A" + AGAIN: 4, "B": 8, "C": 4}  # warm-up dropped
+    assert exp.per_round["B"] == [[2.0, 2.5]] * 4 and s["B"][:4] == [2.0, 2.5, 2.0, 2.5]
+    with pytest.raises(ValueError, match="is not one of the runs"):
+        interleaved(runs, rounds=2, repeat="D", progress=False)
+    with pytest.raises(ValueError, match="at least 2 rounds"):
+        interleaved(runs, rounds=1, progress=False)
+
+
+def test_the_repeat_runs_about_half_a_round_from_its_first_run():
+    calls = []
+    runs = {name: recording(calls, 1.0) for name in "ABCD"}
+    for name, run in runs.items():
+        run.name = name
+    exp = interleaved(runs, rounds=5, repeat="B", progress=False)
+    first = exp.order[0]
+    assert first[0] == "B" and abs(first.index("B" + AGAIN) - first.index("B")) == 3  # B, A, C, B again, D
+
+
+def test_an_interleaved_experiment_reads_a_planted_slowdown_against_its_own_band():
+    rng = np.random.default_rng(5)
+    mood = rng.lognormal(0, 0.3, 30)  # the machine's speed in each round, shared by every run in it
+    calls = []
+
+    def run(factor):  # four runs a round (ours twice), the same four requests each: pairs by position
+        calls.append(factor)
+        return list(factor * mood[(len(calls) - 1) // 4] * np.array([1.0, 2.0, 4.0, 8.0]) * rng.lognormal(0, 0.05))
+
+    runs = {"ours": lambda: run(1.0), "slower": lambda: run(1.3), "same": lambda: run(1.0)}
+    exp = interleaved(runs, rounds=30, progress=False)
+    band = exp.band(**FAST)
+    assert band.low <= 1.0 <= band.high and band.n == 120
+    slow = exp.compare("ours", "slower", higher="slower", lower="faster", higher_is_better=False, **FAST)
+    assert (slow.word, slow.better, slow.n_a, slow.n_b) == ("slower", False, 120, 120)
+    assert exp.compare("ours", "slower", paired=False, **FAST).word == "level"  # unpaired, rounds and requests drown it
+    assert exp.compare("ours", "same", stat="mean", **FAST).word == "level"
+
+
+def test_a_figure_carries_its_n_and_a_short_tail_is_called_the_max():
+    assert with_n(123.44, 40, "ms") == "123.4 ms (n = 40)"
+    assert with_n(0.5, 1200, spec=".0%") == "50% (n = 1,200)"
+    assert tail_with_n(list(range(40))) == "max 39 ms (n = 40)"
+    assert tail_with_n([float(x) for x in range(101)]) == "P99 99 ms (n = 101)"
+    assert median_and_tail([1.0, 2.0, 9.0], unit="s", spec=".1f") == "median 2.0 s, max 9.0 s (n = 3)"
+
+
+def test_a_ratio_beyond_the_band_is_level_while_its_interval_reaches_into_it():
+    a, _, b = three_draws(2, 30, 0.2, 1.15)
+    band = Band(0.95, 1.05, 30)
+    v = verdict(a, b, band, **FAST)
+    assert v.ratio > band.high and v.interval.low < band.high  # the point says "higher", the interval does not
+    assert (v.word, v.sign) == ("level", 0)
+    assert verdict(a, b, Band(0.5, 0.6, 30), **FAST).word == "higher"  # the same interval against a band below it
+
+
+def test_trend_finds_a_growing_series_and_calls_a_flat_one_level():
+    rng = np.random.default_rng(3)
+    growing = [10 + 0.1 * i + rng.normal(0, 0.5) for i in range(128)]
+    flat = [10 + rng.normal(0, 0.5) for _ in range(128)]
+    assert trend(growing, n_resamples=500).word == "higher"
+    assert trend(flat, n_resamples=500).word == "level"
+    assert trend(growing[::-1], n_resamples=500).word == "lower"
+    with pytest.raises(ValueError, match="at least 16 samples"):
+        trend(growing[:12])
+
+
+def test_one_run_each_gives_the_ratio_and_no_verdict_word():
+    assert one_run_each(3.0, 2.0) == "1.50x (one run each: no verdict)"
+    assert one_run_each(1.0, 4.0, "one request each") == "0.25x (one request each: no verdict)"
+    assert one_run_each(0.0, 2.0).startswith("no ratio")
