@@ -30,43 +30,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("prepare", help="convert the embedded default model once (make lab does this)")
     bench = sub.add_parser("bench", help="run a synthetic workload through the engine and print serving metrics",
                            epilog="subcommands: bench compare | roofline | profile | serve | course-table | spec | roofline-lab | quant "
+                                  "| simulate "
                                   "(each with --help): ours vs transformers vs vLLM, the machine's roofline, our engine "
                                   "under the profiler, a load generator for any OpenAI-compatible server, what each "
                                   "chapter bought, speculative decoding, the engine's steps on the roofline, weight "
                                   "quantization judged on a task set; bench soak: a server and a PD router under "
                                   "abuse, against issue 41's targets")
-    bench.add_argument("--workload", default="poisson", choices=["poisson", "long-prompts"],
-                       help="poisson: seeded Poisson arrivals; long-prompts: --num-requests short requests decoding, "
-                            "--num-long long prompts arriving among them (chapter 05)")
-    bench.add_argument("--num-requests", type=int, default=32)
-    bench.add_argument("--rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: all at once)")
-    bench.add_argument("--input-len", type=int, nargs="+", default=[128], help="prompt lengths to draw from")
-    bench.add_argument("--output-len", type=int, nargs="+", default=[64], help="output lengths to draw from")
-    bench.add_argument("--shared-prefix-len", type=int, default=0)
-    bench.add_argument("--num-long", type=int, default=2, help="long-prompts: how many long prompts")
-    bench.add_argument("--long-input-len", type=int, default=1024, help="long-prompts: their length in tokens")
-    bench.add_argument("--long-start", type=float, default=4, help="long-prompts: arrival of the first (clock units)")
-    bench.add_argument("--long-every", type=float, default=16, help="long-prompts: gap between them (clock units)")
-    bench.add_argument("--clock", default=None, choices=["wall", "steps"],
-                       help="arrival times in seconds or in engine steps (default: wall for poisson, steps for "
-                            "long-prompts)")
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--scheduling-policy", default="continuous", choices=["continuous", "fcfs", "static"])
-    bench.add_argument("--enable-chunked-prefill", action="store_true")
-    bench.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    bench.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    from .bench.workload_args import add_kv_arguments, add_workload_arguments
+    add_workload_arguments(bench)  # shared with bench simulate
     bench.add_argument("--json", action="store_true", help="print the summary as JSON")
     for p in (gen, srv, bench):
         p.add_argument("--model", default=None, help="HF folder or hub id (default: embedded SmolLM2-135M-Instruct)")
         p.add_argument("--device", default="auto")
         p.add_argument("--dtype", default="auto")
         p.add_argument("--kv-cache", default="paged", choices=["paged", "contiguous", "none"])
-        p.add_argument("--block-size", type=int, default=16)
-        p.add_argument("--num-blocks", type=int, default=None)
-        p.add_argument("--max-num-seqs", type=int, default=64)
-        p.add_argument("--max-model-len", type=int, default=None)
-        p.add_argument("--enable-prefix-caching", action="store_true")
-        p.add_argument("--cpu-offload-blocks", type=int, default=0, help="CPU tier size in blocks (prefix caching)")
+        add_kv_arguments(p)
         p.add_argument("--gpu-memory-utilization", type=float, default=None,
                        help="share of the GPU's total memory for weights + KV cache (default 0.2: several engines fit)")
     srv.add_argument("--enable-result-cache", action="store_true")
@@ -148,17 +126,11 @@ def main(argv=None):
 def run_bench(llm, args) -> int:
     import json
 
-    from .bench import long_prompt_workload, poisson_workload, run_workload, summarize
+    from .bench import run_workload, summarize
+    from .bench.workload_args import workload_from_args
     from .bench.summary import format_summary
 
-    if args.workload == "poisson":
-        workload = poisson_workload(llm.tokenizer, args.num_requests, args.rate, args.input_len, args.output_len,
-                                    args.shared_prefix_len, args.seed)
-    else:
-        workload = long_prompt_workload(llm.tokenizer, args.num_requests, args.input_len[0], args.output_len[0],
-                                        args.num_long, args.long_input_len, 8, args.long_start, args.long_every,
-                                        args.seed)
-    clock = args.clock or ("wall" if args.workload == "poisson" else "steps")
+    workload, clock = workload_from_args(llm.tokenizer, args)
     outputs, duration = run_workload(llm, workload, clock=clock)
     groups = {"all": outputs}
     if args.workload == "long-prompts":  # the decoders' ITL and the long prompts' TTFT are the story

@@ -1,7 +1,7 @@
 """``python -m labsupport bench {compare,roofline,profile,serve,course-table,spec,roofline-lab,quant,capstone,
-structured,serve-compare,serve-profile,soak}``: the measuring subcommands (spec to capstone are chapter 09's;
-structured, chapter 06's; serve-compare and serve-profile, the served path against vLLM; soak, the served path
-under abuse).
+structured,serve-compare,serve-profile,soak,simulate}``: the measuring subcommands (spec to capstone are chapter
+09's; structured, chapter 06's; serve-compare and serve-profile, the served path against vLLM; soak, the served path
+under abuse; simulate, the engine on a simulated clock, ``sim/``).
 
 ``python -m labsupport bench --workload ...`` (flat flags, chapters 04-05) stays as it was:
 ``__main__`` sends argv here only when the word after ``bench`` is one of ``SUBCOMMANDS``, so
@@ -13,7 +13,7 @@ import argparse
 import sys
 
 SUBCOMMANDS = ("compare", "roofline", "profile", "serve", "course-table", "spec", "roofline-lab", "quant", "capstone",
-               "serve-compare", "serve-profile", "structured", "soak")
+               "serve-compare", "serve-profile", "structured", "soak", "simulate")
 OWN_PARSERS = {"roofline-lab": "lab.roofline_lab", "quant": "lab.quant",  # chapter 09's: they parse their own flags
                "structured": "serving.structured_bench"}  # chapter 06's: what a structured-output grammar costs a step
 
@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve_profile.add_arguments(sub.add_parser("serve-profile", help="where our server's time goes at 64 streams "
                                                                      "(py-spy over every thread, thread vs process)"))
     from .serving import soak
+    from ..sim import cli as sim_cli  # takes the flat bench's flags (workload_args.py)
+    sim_cli.add_arguments(sub.add_parser("simulate", help="the real scheduler on a simulated clock: bench's workloads "
+                                                          "at GPU scale in seconds, labelled with their profile"))
     soak.add_arguments(sub.add_parser("soak", help="a server and a 1P+1D router under schema fuzzing, hang-ups, "
                                                    "unread streams, a 4 MB /tokenize and a frozen worker, against "
                                                    "issue 41's targets (a few minutes)"))
@@ -83,6 +86,9 @@ def main(argv: list[str]) -> int:
         if args.subcommand == "soak":  # pass/fail figures, not timings: no busy check
             from .serving.soak import main as soak_main
             return soak_main(args)
+        if args.subcommand == "simulate":  # virtual time: no busy check (its --validate reports its own errors)
+            from ..sim.cli import main as simulate_main
+            return simulate_main(args)
         if args.subcommand == "serve":  # the server under test shares the machine: no busy check
             from .serving.serve_cli import main as serve_main
             return serve_main(args)

@@ -4,6 +4,8 @@ The scheduler decides what runs and owns every request's state; the runner turns
 into one forward pass and one sampled token per sequence; the scheduler's lifecycle
 (``scheduler.lifecycle.update_from_output``) moves the requests forward and frees the finished;
 the detokenizers turn new tokens into new text and find stop strings. ``last_step`` is the step's ``SchedulerOutput``, the engine's own record.
+``clock`` (``time.perf_counter`` unless the engine was assembled with another, as ``sim/`` does with a virtual
+one) stamps every time the engine records: a request's arrival, admission, tokens and finish, a step's start and end.
 
 A step that raises (a bug, or an attendee's plugged-in function) fails only the requests it
 touched (finish reason ``"error"``, memory freed), then re-raises: the engine keeps serving.
@@ -35,6 +37,8 @@ from .structured_output import StructuredOutputs
 log = logging.getLogger(__name__)
 
 class LLMEngine:
+    clock = staticmethod(time.perf_counter)  # every time the engine records comes from here (see the module's doc)
+
     def __init__(self, config: EngineConfig):
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":  # activations reuse their pages instead of faulting fresh ones in each step
@@ -59,12 +63,31 @@ class LLMEngine:
             self.connector = make_connector(self.config.kv_transfer_config, self.backend)
             self.backend.attach_connector(self.connector)  # its per-layer hooks run around each layer's attention
         self.scheduler = Scheduler(self.config, self.kv, build.eos_token_ids(self.tokenizer, self.model_path),
-                                   connector=self.connector)
+                                   connector=self.connector, clock=self.clock)
         self.speculator = (build.speculator(self.config, self.kv, self.backend, self.runner.sampler, self.model,
                                             self.draft_model, self.device)
                            if self.config.speculative_config else None)  # chapter 09
         self.structured_outputs = self.runner.sampler.structured = StructuredOutputs(  # grammars compile on first use
             self.tokenizer, self.model.config.vocab_size, self.scheduler.lifecycle.eos_token_ids)
+        self._finish_assembly(self.model.config.vocab_size)
+
+    @classmethod
+    def from_parts(cls, config: EngineConfig, kv, runner, vocab_size: int, eos_token_ids=(), clock=time.perf_counter):
+        """An engine around parts made elsewhere, with no model loaded: ``sim/`` steps the real scheduler, KV
+        manager and lifecycle with a runner that returns tokens without computing them, on a virtual ``clock``.
+        ``config`` must be resolved (``max_model_len`` set); the engine gives token ids only (no tokenizer)."""
+        self = cls.__new__(cls)
+        self.device, self.clock = torch.device("cpu"), clock
+        self.model = self.tokenizer = self.model_path = self.draft_model = self.quantization_report = None
+        self.config = dataclasses.replace(config, detokenize=False)
+        self.kv, self.backend, self.runner, self.connector, self.speculator = kv, None, runner, None, None
+        self.scheduler = Scheduler(self.config, kv, eos_token_ids, clock=clock)
+        self.structured_outputs = None
+        self._finish_assembly(vocab_size)
+        return self
+
+    def _finish_assembly(self, vocab_size: int):
+        self.vocab_size = vocab_size
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         # what a chapter may change on this live engine (plug_points.py); the runner's one point is the acceptance
         # rule of speculative decoding, a point only where a speculator runs
@@ -82,14 +105,16 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, prompt: str | None = None,
-                    cache_salt: str | None = None, prompt_checked: bool = False, priority: int = 0) -> Request:
+                    cache_salt: str | None = None, prompt_checked: bool = False, priority: int = 0,
+                    arrival_time: float | None = None) -> Request:
         """Queue a request; raises ValueError, saying what to change, for one this engine cannot run.
         ``prompt_checked``: the caller ran ``check_prompt`` on this engine already (``Frontend.prepare``
         does, before anything is queued), so the prompt is checked once on its way in. ``priority``: with
         ``scheduling_policy="priority"``, smaller is served first (ties: the earlier arrival); any other
         policy refuses a priority other than 0 rather than ignore it. It is an argument here and a field of
         the request, not a sampling parameter, as in vLLM (``LLMEngine.add_request(..., priority=0)``):
-        it says when the request runs, not what it generates."""
+        it says when the request runs, not what it generates. ``arrival_time``: when the user sent it, on the
+        engine's ``clock`` (a driver replaying arrivals gives it); default now."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if prompt_checked:
@@ -104,7 +129,7 @@ class LLMEngine:
                 raise ValueError(f"this request reserves {need:,} bytes of KV (prompt + max_tokens), more than "
                                  f"kv_cache_memory_bytes={self.kv.budget_bytes:,}: lower max_tokens or raise the budget")
         req = Request(prompt_token_ids, params, request_id, prompt, cache_salt, self.scheduler.lifecycle.eos_token_ids,
-                      int(priority))
+                      int(priority), self.clock() if arrival_time is None else arrival_time)
         if params.structured_outputs is not None:  # compiled here, in the engine: a failure is this request's error
             self.structured_outputs.add(req)
         if self.config.detokenize:
@@ -117,7 +142,7 @@ class LLMEngine:
     def limits(self) -> EngineLimits:
         """What a request must satisfy here, read afresh (chunked prefill can change on a live engine)."""
         paged = isinstance(self.kv, KVCacheManager)
-        return EngineLimits(self.max_model_len, self.model.config.vocab_size, self.config.max_num_batched_tokens,
+        return EngineLimits(self.max_model_len, self.vocab_size, self.config.max_num_batched_tokens,
                             self.config.enable_chunked_prefill, self.kv.num_blocks if paged else None,
                             self.kv.block_size if paged else None, self.connector and self.connector.name,
                             self.speculator is not None, self.config.max_num_seqs,
@@ -170,7 +195,7 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """One forward pass. Returns the requests that received a token (finished ones included)."""
         self.check_alive()
-        began = time.perf_counter()
+        began = self.clock()
         out = None
         try:
             out = self.scheduler.schedule()                               # policy: who runs, how many tokens
@@ -192,7 +217,7 @@ class LLMEngine:
         except BaseException as exc:
             self._fail_step(out, exc)
             raise
-        out.index, out.start, out.end = self.num_steps, began, time.perf_counter()
+        out.index, out.start, out.end = self.num_steps, began, self.clock()
         self.num_steps += 1
         self.last_step = out
         return got_token

@@ -50,7 +50,7 @@ class SchedulerOutput:
     waiting: list[str] = field(default_factory=list)  # still queued, head first
     finished: list[Request] = field(default_factory=list)  # left during this step (filled as it runs)
     index: int = -1  # step number in the engine's life
-    start: float = 0.0  # time.perf_counter() before scheduling
+    start: float = 0.0  # the engine's clock before scheduling
     end: float = 0.0  # after the step's tokens were detokenized
 
     @property
@@ -89,12 +89,14 @@ class RequestLifecycle:
     caches, trims, forks and frees. ``eos_token_ids`` and ``max_model_len``: where a request stops (with the
     pool's capacity, ``longest``). ``connector``: chapter 07's KV connector, or None. ``num_speculative_tokens``:
     chapter 09's guesses per step, which add vLLM's spec-decode counters to ``counters`` (what the steps
-    computed and generated; ``llm.stats()`` and ``/metrics`` report them).
+    computed and generated; ``llm.stats()`` and ``/metrics`` report them). ``clock``: the engine's, which stamps
+    token, admission and finish times (a simulation's virtual clock; else ``time.perf_counter``).
     """
 
     def __init__(self, queues: RequestQueues, kv: KVManager, eos_token_ids=(), max_model_len: int | None = None,
-                 connector: KVConnectorBase | None = None, num_speculative_tokens: int = 0):
+                 connector: KVConnectorBase | None = None, num_speculative_tokens: int = 0, clock=time.perf_counter):
         self.queues = queues
+        self.clock = clock
         self.kv = kv
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
@@ -117,7 +119,7 @@ class RequestLifecycle:
         decoding (chapter 09) a request may get several tokens: its accepted guesses, then the
         sampled one; the K/V of its rejected guesses is rolled back (not computed, blocks freed).
         """
-        now = time.perf_counter()
+        now = self.clock()
         got_token = []
         self.record_prompt_logprobs(out, sampled)
         for i, (req, n, token, token_logprobs) in enumerate(zip(out.requests, out.num_new_tokens, sampled.token_ids,
@@ -175,7 +177,7 @@ class RequestLifecycle:
         if req.metrics.first_scheduled_time is None:  # usage reports the first admission's hit, not a re-admission's
             req.metrics.num_cached_tokens = req.num_computed_tokens
         req.status = RequestStatus.RUNNING
-        req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or time.perf_counter()
+        req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or self.clock()
 
     def mark_preempted(self, req: Request):
         """RUNNING -> WAITING by recompute (``Scheduler.preempt``): its KV is freed, nothing of it stays computed,
@@ -231,7 +233,7 @@ class RequestLifecycle:
             return  # finished already
         loading = req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
-        req.metrics.finished_time = time.perf_counter()
+        req.metrics.finished_time = self.clock()
         if loading:
             return  # its blocks go when the load ends (poll_connector): the load may still be writing them
         if self.connector is not None:

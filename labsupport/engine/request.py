@@ -137,7 +137,8 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock times (``time.perf_counter``), the latencies and the preemptions a serving engineer reads."""
+    """Times (the engine's clock: ``time.perf_counter`` unless simulated), the latencies and the preemptions a
+    serving engineer reads."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -239,7 +240,8 @@ class Request:
     (``lifecycle.py``) writes it as the request moves; the KV manager writes the ``kv`` part."""
 
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                 prompt: str | None = None, cache_salt: str | None = None, eos_token_ids=(), priority: int = 0):
+                 prompt: str | None = None, cache_salt: str | None = None, eos_token_ids=(), priority: int = 0,
+                 arrival_time: float | None = None):
         self.request_id = request_id if request_id is not None else next_request_id()
         self.priority = priority  # scheduling_policy="priority": smaller first (vLLM's Request.priority)
         self.prompt = prompt
@@ -250,7 +252,8 @@ class Request:
         self.num_computed_tokens = 0
         self.finish_reason: str | None = None
         self.text = ""  # the output so far, detokenized incrementally by the engine
-        self.metrics = RequestMetrics(arrival_time=time.perf_counter())
+        # the engine's clock gives it (a simulation's is virtual); a request made by hand arrives now
+        self.metrics = RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
         self.num_new_output_tokens = 0  # tokens the last step gave it (more than 1 with accepted guesses)
         # the tokens min_tokens keeps from being drawn: stop_token_ids, and EOS unless ignore_eos
         self.all_stop_token_ids: set[int] = set(params.stop_token_ids or ()) | (

@@ -36,6 +36,7 @@ them in for the length of a ``with`` block.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 
 from .kv_cache_manager import KVManager, PrefixHit
@@ -91,7 +92,7 @@ class Scheduler:
         "admit_fn": PlugPoint("admit_fn", "the head of the queue joins, or waits (ch. 05)"),
     }
 
-    def __init__(self, config, kv: KVManager, eos_token_ids=(), connector=None):
+    def __init__(self, config, kv: KVManager, eos_token_ids=(), connector=None, clock=time.perf_counter):
         self.config = config  # the engine's EngineConfig, read at every step: one truth for every option
         self.kv = kv
         # where each request is (waiting, running, and chapter 07's loading and held): shared with the lifecycle,
@@ -100,7 +101,8 @@ class Scheduler:
         # what each step did to its requests, and how they leave (lifecycle.py): owned, handed what it works on
         spec = config.speculative_config  # chapter 09: the lifecycle counts the guesses it verifies
         self.lifecycle = RequestLifecycle(self.queues, kv, eos_token_ids, config.max_model_len, connector,
-                                          num_speculative_tokens=spec["num_speculative_tokens"] if spec else 0)
+                                          num_speculative_tokens=spec["num_speculative_tokens"] if spec else 0,
+                                          clock=clock)
         self.preempted: list[Request] = []  # this step's preemptions
         self.num_preemptions = 0
         # the exercises' plug points (PLUG_POINTS above; set them through LLMEngine.plugged)

@@ -1,0 +1,128 @@
+"""The ``cpu`` profile: the default model's real steps on this machine, timed and fitted (``cost_model.fit``).
+
+A short calibration runs ``LLM(device="cpu")`` (float32) over prompts of varied lengths (prefill alone),
+batches of 1 to 32 sequences at short and long contexts (decode rows and the context they read), and one long
+prompt fed in chunks (attention pairs after a computed start). Each step's features are read as it is handed
+to the runner, before it runs; its duration is the engine's own record (``engine.last_step``: start to end,
+scheduling and bookkeeping included, as a simulated step's ``step`` coefficient holds them). The profile is
+cached per machine (``machine.machine()``'s CPU, vector units, cores, threads and torch) under the model
+cache, and reused; ``recalibrate=True`` makes it afresh. The calibration's workloads are not the validation's.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import time
+
+from .cost_model import StepCostModel, step_features
+
+PREFILL_LENS = (24, 96, 256, 512, 1024)  # one request each, a few tokens out: prefill alone, then B=1 decodes
+DECODE_SHAPES = ((4, 48), (16, 48), (32, 24), (8, 160), (12, 100), (2, 700))  # (sequences, prompt length)
+DECODE_STEPS = 8
+CHUNKED = (1400, 256)  # one prompt of this many tokens fed in chunks of this budget, beside two decoders
+MACHINE_KEYS = ("cpu", "cpu_family", "isa", "cores", "torch_threads", "torch")
+
+
+@contextlib.contextmanager
+def recording_steps(engine):
+    """Collect each step's features (read as the runner receives the batch) and its duration (the engine's
+    ``last_step`` record) while the block runs; yields the list of records."""
+    records, runner = [], engine.runner
+    execute, pending = runner.execute, {}
+
+    def timed(batch):
+        pending["features"] = step_features(batch)
+        return execute(batch)
+
+    step = engine.step
+
+    def recorded_step():
+        got = step()
+        out = engine.last_step
+        if "features" in pending and out is not None:
+            records.append({**pending.pop("features"), "duration_s": out.end - out.start})
+        return got
+
+    runner.execute, engine.step = timed, recorded_step
+    try:
+        yield records
+    finally:
+        del runner.execute, engine.step  # the instance's own methods again
+
+
+def calibration_runs(llm, quick: bool = False) -> list[dict]:
+    """Run the calibration workloads on ``llm`` (``quick``: a third of them, shorter; for tests); returns their
+    step records."""
+    from ..bench.offline.workload import _token_pool
+    from ..engine.request import SamplingParams
+    import random
+    pool = _token_pool(llm.tokenizer, random.Random(7))
+    rng = random.Random(11)
+
+    def prompts(n, length):
+        starts = [rng.randrange(0, len(pool) - length) for _ in range(n)]
+        return [{"prompt_token_ids": pool[s:s + length]} for s in starts]
+
+    def params(k):
+        return SamplingParams(max_tokens=k, temperature=0, ignore_eos=True)
+
+    llm.generate(prompts(2, 32), params(4), use_tqdm=False)  # warm-up: first-touch pages, kernels loaded
+    with recording_steps(llm.engine) as records:
+        for length in PREFILL_LENS[:3] if quick else PREFILL_LENS:
+            llm.generate(prompts(1, length), params(4), use_tqdm=False)
+        for n, length in DECODE_SHAPES[::3] if quick else DECODE_SHAPES:
+            llm.generate(prompts(n, length), params(DECODE_STEPS), use_tqdm=False)
+        length, budget = (CHUNKED[0] // 3, CHUNKED[1] // 2) if quick else CHUNKED
+        with llm.engine.options(enable_chunked_prefill=True, max_num_batched_tokens=budget):
+            llm.generate(prompts(2, 32) + prompts(1, length), [params(24), params(24), params(2)], use_tqdm=False)
+    return records
+
+
+def machine_key(m: dict) -> str:
+    return hashlib.sha256(json.dumps({k: m.get(k) for k in MACHINE_KEYS}, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def cache_path(m: dict):
+    from ..models.loader import cache_dir
+    return cache_dir() / "sim" / f"cpu-{machine_key(m)}.json"
+
+
+def calibrate(llm=None, quick: bool = False) -> dict:
+    """Time the calibration steps on this machine and fit them: the ``cpu`` profile (not saved)."""
+    from ..engine.config import CPU_KV_CACHE_BYTES
+    from ..machine import machine
+    from .cost_model import fit
+    if llm is None:
+        from ..llm import LLM
+        llm = LLM(device="cpu", dtype="float32")
+    began = time.perf_counter()
+    records = calibration_runs(llm, quick)
+    model, report = fit(records)
+    cfg = llm.engine.model.config
+    m = machine()
+    return {"name": "cpu-quick" if quick else "cpu", "source": "fitted", "device": "cpu", "machine": m,
+            "date": m["date"][:10],
+            "model": dataclasses.asdict(cfg), "model_name": llm.model_name, "dtype": "float32",
+            "kv_cache_bytes": CPU_KV_CACHE_BYTES,  # the engine's default pool on the CPU
+            "eos_token_ids": sorted(llm.engine.scheduler.lifecycle.eos_token_ids),
+            "coefficients": model.to_dict(), "fit": {**report, "calibration_s": time.perf_counter() - began},
+            "records": records,
+            "notes": {"how": "labsupport.sim.calibrate: the default model's real steps on this machine, least "
+                             "squares on relative error, coefficients >= 0",
+                      "not_modelled": "other processes on the cores (a busy machine's steps are slower and vary)"}}
+
+
+def cpu_profile(recalibrate: bool = False, llm=None) -> dict:
+    """This machine's profile: the cached one, or a calibration now (saved for next time)."""
+    from ..machine import machine
+    path = cache_path(machine())
+    if path.exists() and not recalibrate:
+        return json.loads(path.read_text())
+    print("calibrating the cpu profile on this machine (once; --recalibrate redoes it) ...", flush=True)
+    profile = calibrate(llm)
+    StepCostModel.from_dict(profile["coefficients"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile, indent=2) + "\n")  # profiles.save_profile's format (it imports this module)
+    return profile

@@ -1,0 +1,108 @@
+"""``python -m labsupport bench simulate``: ``bench``'s workloads on the real scheduler and a simulated clock.
+
+    python -m labsupport bench simulate --profile h100-llama-3.1-8b --num-requests 1000 --rate 20 \\
+        --input-len 512 --output-len 128 --max-num-seqs 256 --goodput ttft:500 tpot:50 --usd-per-hour 2.5
+    python -m labsupport bench simulate --validate --num-requests 8 --input-len 64 --output-len 16
+
+Every figure it prints is labelled "simulated, profile X"; ``--validate`` runs the same workload for real on this
+machine and simulated on the ``cpu`` profile and prints both with the relative error.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+
+from ..bench.summary import format_summary, write_report
+
+
+def add_arguments(p: argparse.ArgumentParser):
+    from ..bench.workload_args import add_kv_arguments, add_workload_arguments
+    add_workload_arguments(p)
+    add_kv_arguments(p)
+    p.add_argument("--arrival", default="poisson", choices=["poisson", "gamma"],
+                   help="gamma: --rate with gaps of shape --burstiness (bench serve's arrival process)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the gaps: 1 Poisson, below 1 burstier (coefficient of variation 1/sqrt)")
+    p.add_argument("--profile", default="cpu", help="cpu (fitted here, cached), a shipped GPU profile "
+                                                    "(python -m labsupport.sim.profiles lists them) or a JSON file")
+    p.add_argument("--recalibrate", action="store_true", help="fit the cpu profile again on this machine")
+    p.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=None,
+                   help="SLOs for goodput and attainment, e.g. ttft:500 tpot:50 e2el:5000 (milliseconds)")
+    p.add_argument("--usd-per-hour", type=float, default=None, help="the machine's price: cost per 1M output tokens")
+    p.add_argument("--stop-probability", type=float, default=0.0,
+                   help="> 0: requests may end early (EOS drawn with this chance a token, seeded per request)")
+    p.add_argument("--validate", action="store_true",
+                   help="also run the workload for real on this machine and report the simulation's error")
+    p.add_argument("--repeats", type=int, default=2, help="--validate: real runs of the workload (2+: the A/A band)")
+    p.add_argument("--json", metavar="FILE", default=None)
+
+
+def engine_options(args) -> dict:
+    return dict(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+                max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+                cpu_offload_blocks=args.cpu_offload_blocks, scheduling_policy=args.scheduling_policy,
+                enable_chunked_prefill=args.enable_chunked_prefill,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+                max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def build_workload(tokenizer, args):
+    from ..bench.workload_args import workload_from_args
+    from .simulate import with_gamma_arrivals
+    workload, clock = workload_from_args(tokenizer, args)
+    if args.arrival == "gamma":
+        if args.workload != "poisson":
+            raise ValueError("--arrival gamma applies to --workload poisson")
+        workload = with_gamma_arrivals(workload, args.rate, args.burstiness, args.seed)
+    return workload, clock
+
+
+def format_simulation(s: dict) -> str:
+    lines = [f"--- simulated, profile {s['profile']} ({s['profile_source']}): virtual time, not a measurement",
+             format_summary(s),
+             f"{'engine steps':28s}{s['engine_steps']}",
+             f"{'tokens computed':28s}{s['tokens_computed']} ({s['prompt_tokens_computed']} prompt)",
+             f"{'KV blocks peak / total':28s}{s['kv_peak_blocks']} / {s['kv_blocks_total']}",
+             f"{'preemptions':28s}{s['num_preemptions']}"]
+    if "slo_attainment" in s:
+        slo = " ".join(f"{k}:{v:g}" for k, v in s["slo"].items())
+        lines.append(f"{'SLO attainment (' + slo + ') ':28s}{s['slo_attainment']:.1%}; goodput "
+                     f"{s['request_goodput']:.2f} req/s")
+    if "usd_per_million_output_tokens" in s:
+        lines.append(f"{'USD per 1M output tokens':28s}{s['usd_per_million_output_tokens']:.3f} "
+                     f"(at {s['usd_per_hour']:g} USD/h)")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    from ..bench.serving.serve_cli import parse_goodput
+    from ..bench.serving.serve_datasets import load_tokenizer
+    from .profiles import load_profile
+    from .simulate import simulate_run
+    slo = parse_goodput(args.goodput)
+    if args.stop_probability and not 0 <= args.stop_probability < 1:
+        raise ValueError(f"--stop-probability must be in [0, 1), got {args.stop_probability}")
+    options = engine_options(args)
+    profile = load_profile(args.profile, recalibrate=args.recalibrate)
+    workload, clock = build_workload(load_tokenizer(None), args)
+    summary, _, outputs, _ = simulate_run(workload, profile, slo=slo, usd_per_hour=args.usd_per_hour, clock=clock,
+                                          stop_probability=args.stop_probability, seed=args.seed, **options)
+    print(format_simulation(summary))
+    left_out = ("subcommand", "json", "validate", "recalibrate", "repeats")
+    result = {"simulated": summary, "workload": {k: v for k, v in vars(args).items() if k not in left_out}}
+    if args.validate:
+        from .validate import format_validation, validate
+        check = validate({args.workload: workload}, recalibrate=False, repeats=args.repeats, **options)
+        print(format_validation(check))
+        result["validation"] = check
+    if args.json:
+        write_report(args.json, json.loads(json.dumps(result, default=_plain)))
+    return 0
+
+
+def _plain(x):
+    if dataclasses.is_dataclass(x):
+        return dataclasses.asdict(x)
+    return None if isinstance(x, float) and not math.isfinite(x) else str(x)
