@@ -43,9 +43,10 @@ MODEL_FREE = {  # tier 0
     "test_block_map_plot.py", "test_chapter_charts.py", "test_engine_core.py", "test_environment.py",
     "test_exercises.py", "test_kv_memory.py", "test_model_arithmetic.py", "test_notebooks.py", "test_soak.py",
     "test_structure.py", "test_claims.py", "test_source_map.py", "test_gpu_check.py", "test_build_lock.py",
-    "test_saved_reports.py", "test_measure.py",
+    "test_saved_reports.py", "test_measure.py", "test_kv_server_close.py",
 }
 SERVERS = {  # tier 2
+    "test_kv_events.py", "test_production_router.py",
     "test_api_input.py", "test_api_lifecycle.py", "test_api_openai.py", "test_api_priority.py", "test_api_surface.py",
     "test_bench.py",
     "test_capstone.py", "test_chat_cli.py", "test_course_table.py", "test_dashboard.py",

@@ -179,6 +179,7 @@ class KVCacheManager(KVManager):
         self.fork_blocks = fork_blocks
         self.copy_on_write = copy_on_write
         self.copy_block = None  # set by the engine: the backend's block copy
+        self.events = None  # KV-cache events (serve --kv-events-config, serve/kv_events.py): blocks stored, removed
 
     @property
     def num_blocks(self) -> int:
@@ -208,6 +209,8 @@ class KVCacheManager(KVManager):
             evicted = self.prefix_cache.evict(block)  # its old contents are about to be overwritten
             if evicted is not None and self.cpu_tier is not None:
                 self.cpu_tier.save(*evicted, block)
+            if evicted is not None and self.events is not None:  # after the copy: it moved, its chain still known
+                self.events.removed([evicted[0]], "GPU")
         return block
 
     def allocate(self, req, num_new_tokens, offer: bool = True):
@@ -237,7 +240,9 @@ class KVCacheManager(KVManager):
     def release(self, req):
         if self.prefix_cache is not None:  # blocks offered for a step that failed never got their KV
             for i in range(req.num_computed_tokens // self.block_size, len(req.kv.block_hashes)):
-                self.prefix_cache.evict(req.kv.block_table[i])
+                evicted = self.prefix_cache.evict(req.kv.block_table[i])
+                if evicted is not None and self.events is not None:
+                    self.events.removed([evicted[0]], "GPU")
         self.release_blocks(self.allocator, req.kv.block_table)  # tail first: the shared prefix stays cached longest
         req.kv.block_table = []
         req.kv.block_hashes = []
@@ -258,6 +263,8 @@ class KVCacheManager(KVManager):
             raise ValueError(f"{len(self.tables)} requests hold blocks: swap the allocator while the engine is idle")
         self.allocator = allocator
         if self.prefix_cache is not None:
+            if self.events is not None and self.prefix_cache.block_of:
+                self.events.removed(list(self.prefix_cache.block_of), "GPU")
             self.prefix_cache = PrefixCache()  # cached entries named blocks of the old allocator
 
     # ------------------------------------------------------------------ prefix caching
@@ -296,6 +303,7 @@ class KVCacheManager(KVManager):
         reused = len(hit.device_blocks)
         for h in hit.cpu_hashes:
             self.cpu_tier.touch(h)  # most recently used: our own evictions below must not push them out
+        loaded = []
         for h in hit.cpu_hashes:
             block = self._new_block()
             if not self.cpu_tier.has(h):  # pushed out anyway (a tiny CPU tier): compute the rest
@@ -303,9 +311,12 @@ class KVCacheManager(KVManager):
                 break
             self.cpu_tier.load(h, block)
             bs = self.block_size
-            self.prefix_cache.insert(block, h, tuple(req.all_token_ids[reused * bs:(reused + 1) * bs]))
+            if self.prefix_cache.insert(block, h, tuple(req.all_token_ids[reused * bs:(reused + 1) * bs])):
+                loaded.append(reused)
             req.kv.block_table.append(block)
             reused += 1
+        if loaded and self.events is not None:  # back on the device: routers may count them as device hits again
+            self._stored(hit.hashes, req.all_token_ids, loaded)
         req.kv.block_hashes = list(hit.hashes[:reused])
         self.tables[req.request_id] = req
         if req.num_preemptions == 0:
@@ -324,9 +335,22 @@ class KVCacheManager(KVManager):
             return
         tokens = req.all_token_ids[:full * bs]
         hashes = self.chain_hashes(tokens, bs, req.kv.cache_salt)
-        for i in range(len(req.kv.block_hashes), full):
-            self.prefix_cache.insert(req.kv.block_table[i], hashes[i], tuple(tokens[i * bs:(i + 1) * bs]))
+        new = [i for i in range(len(req.kv.block_hashes), full)
+               if self.prefix_cache.insert(req.kv.block_table[i], hashes[i], tuple(tokens[i * bs:(i + 1) * bs]))]
         req.kv.block_hashes = hashes
+        if new and self.events is not None:
+            self._stored(hashes, tokens, new)
+
+    def _stored(self, hashes: list, tokens: list[int], indexes: list[int]):
+        """Report blocks ``indexes`` of a request (chained ``hashes``) as stored on the device, one event per
+        run of consecutive blocks, each run's parent the block before it, as vLLM reports a request's blocks."""
+        bs, start = self.block_size, 0
+        for k in range(1, len(indexes) + 1):
+            if k == len(indexes) or indexes[k] != indexes[k - 1] + 1:
+                first, last = indexes[start], indexes[k - 1]
+                self.events.stored(hashes[first:last + 1], list(tokens[first * bs:(last + 1) * bs]), "GPU",
+                                   parent=hashes[first - 1] if first else None)
+                start = k
 
     def stats(self) -> dict:
         stats = {"kv_blocks_total": self.num_blocks, "kv_blocks_free": self.allocator.num_free,

@@ -62,10 +62,13 @@ class PrefixCache:
             return None
         return block
 
-    def insert(self, block: int, h: bytes, tokens: tuple):
-        if h not in self.block_of:  # two requests may compute the same block at once: keep the first
-            self.block_of[h] = block
-            self.entry_of[block] = (h, tokens)
+    def insert(self, block: int, h: bytes, tokens: tuple) -> bool:
+        """Index the block's contents; False if the hash is indexed already (then nothing changes)."""
+        if h in self.block_of:  # two requests may compute the same block at once: keep the first
+            return False
+        self.block_of[h] = block
+        self.entry_of[block] = (h, tokens)
+        return True
 
     def evict(self, block: int) -> tuple[bytes, tuple] | None:
         """The block is about to hold new contents: forget what it held (returned for the CPU tier)."""
@@ -93,6 +96,7 @@ class CPUTier:
         self.host_v = [torch.zeros(shape, dtype=p.dtype, pin_memory=pin) for p in v_pool]
         self.slot_of: OrderedDict[bytes, tuple[int, tuple]] = OrderedDict()  # hash -> (host slot, tokens)
         self.free_slots = list(range(num_blocks))
+        self.events = None  # KV-cache events (serve --kv-events-config): what this tier stores and drops
 
     def __len__(self):
         return len(self.slot_of)
@@ -102,13 +106,17 @@ class CPUTier:
             self.slot_of.move_to_end(h)
             return
         if not self.free_slots:
-            _, (slot, _) = self.slot_of.popitem(last=False)  # the least recently used copy goes
+            dropped, (slot, _) = self.slot_of.popitem(last=False)  # the least recently used copy goes
             self.free_slots.append(slot)
+            if self.events is not None:
+                self.events.removed([dropped], "CPU")
         slot = self.free_slots.pop()
         for layer in range(len(self.host_k)):
             self.host_k[layer][slot].copy_(self.device_k[layer][:, device_block], non_blocking=True)
             self.host_v[layer][slot].copy_(self.device_v[layer][:, device_block], non_blocking=True)
         self.slot_of[h] = (slot, tokens)
+        if self.events is not None:
+            self.events.stored([h], list(tokens), "CPU")
 
     def contains(self, h: bytes, tokens: tuple) -> bool:
         entry = self.slot_of.get(h)

@@ -131,6 +131,8 @@ class KVServer:
         self.sock = socket.create_server((host, port), reuse_port=False)
         self.host, self.port = host, self.sock.getsockname()[1]
         self._closed = False
+        self._lock = threading.Lock()
+        self._answering: dict[socket.socket, threading.Thread] = {}  # connections being answered, for close()
         self._thread = threading.Thread(target=self._serve, name="kv-server", daemon=True)
         self._thread.start()
 
@@ -139,10 +141,23 @@ class KVServer:
             try:
                 conn, _ = self.sock.accept()
             except OSError:
-                return  # closed
-            threading.Thread(target=self._answer, args=(conn,), name="kv-send", daemon=True).start()
+                return  # shut down by close()
+            with self._lock:
+                if self._closed:  # accepted in the instant close() ran: refuse it rather than answer
+                    conn.close()
+                    return
+                thread = threading.Thread(target=self._answer, args=(conn,), name="kv-send", daemon=True)
+                self._answering[conn] = thread
+            thread.start()
 
     def _answer(self, conn: socket.socket):
+        try:
+            self._answer_pull(conn)
+        finally:
+            with self._lock:
+                self._answering.pop(conn, None)
+
+    def _answer_pull(self, conn: socket.socket):
         start, tid, sent, held = time.time(), None, 0, None
         with conn:
             try:
@@ -173,12 +188,33 @@ class KVServer:
                 if hasattr(held, "release"):
                     held.release()  # this pull no longer reads the blocks
 
-    def close(self):
-        self._closed = True
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+    def close(self, timeout: float = 5.0):
+        """Stop listening and end the pulls in flight; returns once the threads have ended (or ``timeout``).
+
+        Closing a listening socket does not wake a thread blocked in ``accept()`` on Linux: the port
+        kept listening, with no owner in ``ss -ltnp``, until one more client came. ``shutdown`` wakes
+        it. Pulls in flight are cut the same way: their clients get a ConnectionError, and each
+        answer's ``finally`` still releases its lease."""
+        with self._lock:
+            self._closed = True
+            answering = dict(self._answering)
+        for sock in (self.sock, *answering):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # never connected, or the peer is gone already
+        self.sock.close()
+        deadline = time.monotonic() + timeout
+        for thread in (self._thread, *answering.values()):
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+    @property
+    def alive(self) -> bool:
+        """Whether any of its threads still runs (false once ``close()`` returned in time)."""
+        with self._lock:
+            answering = list(self._answering.values())
+        return self._thread.is_alive() or any(t.is_alive() for t in answering)
 
 
 def pull_blocks(host: str, port: int, transfer_id: str, remote_block_ids: list[int], k_pool: list[torch.Tensor],

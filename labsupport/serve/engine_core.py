@@ -65,10 +65,20 @@ def run_engine_core(spec: CoreSpec):
     inbox.connect(spec.input_address)
     outbox.connect(spec.output_address)
     encoder = msgspec.msgpack.Encoder()
+    options = dict(spec.engine_options)
+    events_config = options.pop("kv_events_config", None)  # the core's, not the engine's: it publishes per step
+    kv_events = None
     try:
         from ..engine.config import EngineConfig
         from ..engine.engine import LLMEngine
-        engine = LLMEngine(EngineConfig(**spec.engine_options, detokenize=False))
+        engine = LLMEngine(EngineConfig(**options, detokenize=False))
+        if events_config is not None:
+            from .kv_events import KVEvents
+            try:
+                kv_events = KVEvents(events_config, engine)
+            except Exception:
+                engine.shutdown()
+                raise
     except Exception as exc:  # a bad option (ValueError) or a model that will not load
         outbox.send(encoder.encode(Failed(f"{exc}" if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}",
                                           bad_option=isinstance(exc, ValueError))))
@@ -81,9 +91,11 @@ def run_engine_core(spec: CoreSpec):
     outbox.send(encoder.encode(Ready(str(engine.model_path), engine.limits,
                                      engine.config.max_num_seqs, str(engine.device))))
     try:
-        EngineCore(engine, inbox, outbox, metrics).run()
+        EngineCore(engine, inbox, outbox, metrics, kv_events).run()
     finally:
         engine.shutdown()
+        if kv_events is not None:
+            kv_events.close()  # its ports go with the core
         inbox.close(linger=0)
         outbox.close(linger=1000)
         context.term()
@@ -103,8 +115,9 @@ class _Track:
 class EngineCore:
     """The loop: drain the inbox, step, send what moved; sleep in ``poll`` when there is nothing to do."""
 
-    def __init__(self, engine, inbox, outbox, metrics=None):
+    def __init__(self, engine, inbox, outbox, metrics=None, kv_events=None):
         self.engine, self.inbox, self.outbox, self.metrics = engine, inbox, outbox, metrics
+        self.kv_events = kv_events  # KV-cache events for routers (kv_events.py): one batch per step
         self.encoder, self.decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(CoreInput)
         self.live: dict[str, _Track] = {}  # by request id, a forked sample's too
         self.answers: list[Answer] = []
@@ -131,6 +144,8 @@ class EngineCore:
                 break
             if self.live or self.engine.has_pending_transfers():
                 self._step()
+            if self.kv_events is not None:
+                self.kv_events.flush()  # what the step (or an abort) stored and removed; sent off this thread
             if self.answers:
                 self._send(CoreOutputs(answers=self._take_answers()))
 

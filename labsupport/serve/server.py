@@ -103,6 +103,10 @@ def add_serve_arguments(srv):
                     help="prefill: seconds a finished request's blocks wait for the decode worker's pull")
     pd.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
                     help="decode: when a pull fails, compute the prompt here, or fail the request")
+    pd.add_argument("--kv-events-config", default=None,
+                    help="publish KV-cache events for KV-aware routers, vLLM's flag: {\"enable_kv_cache_events\": true, "
+                         "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": "
+                         "\"tcp://*:5558\", \"topic\": \"kv-events\"} (see labsupport/serve/kv_events.py)")
     pd.add_argument("--cpu-affinity", default=None,
                     help="pin this process to these CPUs (e.g. 0 or 0-1): on a 2-core machine give each worker one")
     srv.set_defaults(enable_prefix_caching=True)
@@ -133,6 +137,20 @@ def json_flag(value: str | None, flag: str) -> dict | None:
     if not isinstance(config, dict):
         raise ValueError(f"{flag} must be a JSON object")
     return config
+
+
+def kv_events_option(args) -> dict:
+    """``{"kv_events_config": ...}`` for the engine core, or nothing when no events are published."""
+    from .kv_events import parse_kv_events_config
+    config = parse_kv_events_config(getattr(args, "kv_events_config", None))
+    if config is None:
+        return {}
+    if args.engine_in_process:
+        raise ValueError("--kv-events-config needs the engine core process: drop --engine-in-process")
+    if not args.enable_prefix_caching or args.kv_cache != "paged":
+        raise ValueError("--kv-events-config reports the prefix cache's blocks: it needs prefix caching (on by "
+                         "default) and --kv-cache paged")
+    return {"kv_events_config": config}
 
 
 def pin_cpus(spec: str | None):
@@ -177,7 +195,7 @@ def engine_options(args) -> dict:
         if getattr(args, name) < (1 if name == "max_request_body_bytes" else 0):
             raise ValueError(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
     pin_cpus(args.cpu_affinity)
-    return dict(kv_transfer_config=kv_transfer_config(args),
+    return dict(**kv_events_option(args), kv_transfer_config=kv_transfer_config(args),
                 enable_prefix_caching=args.enable_prefix_caching and args.kv_cache == "paged",  # needs blocks
                 enable_chunked_prefill=args.enable_chunked_prefill, max_num_batched_tokens=args.max_num_batched_tokens,
                 long_prefill_token_threshold=args.long_prefill_token_threshold, chunk_cost_context=args.chunk_cost_context,

@@ -1,0 +1,198 @@
+"""The vLLM project's router (``vllm-router``, pd/production_router.py) in front of our workers, on loopback.
+
+PD mode in front of ``serve --role prefill`` and ``--role decode``: the answer equals the decode
+worker's own, KV moved, a streamed chat arrives chunk by chunk. Colocated: round robin alternates; a
+worker killed mid-stream ends that stream, the survivor serves the rest and leaks no block. KV-aware:
+with our KV-cache events, requests go to the worker that holds their prefix (a count of hits, against
+round robin on the same workers). Skipped where ``make clients`` has not installed the router."""
+import json
+import time
+
+import httpx
+import pytest
+from waiting import wait_until
+
+from labsupport.pd.cluster import Worker, free_port, start_all, stop_all
+from labsupport.pd.production_router import HOW_TO_INSTALL, ProductionRouter, router_binary
+from labsupport.serve.metrics import parse_metrics
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(router_binary() is None, reason=HOW_TO_INSTALL)]
+
+ARGS = ["--num-blocks", "256", "--max-model-len", "2048", "--served-model-name", "smol"]
+BLOCK = 16
+
+
+def metrics(worker) -> dict[str, float]:
+    return parse_metrics(httpx.get(worker.url + "/metrics", timeout=10).text)
+
+
+def complete(url: str, prompt, max_tokens: int = 8) -> dict:
+    r = httpx.post(url + "/v1/completions", json={"model": "smol", "prompt": prompt, "max_tokens": max_tokens,
+                                                  "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def served_requests(worker) -> float:
+    return sum(v for k, v in metrics(worker).items() if k.startswith("labsupport:request_success_total{engine"))
+
+
+def all_blocks_free(worker) -> bool:
+    m = metrics(worker)
+    idle = m["labsupport:num_requests_running"] == m["labsupport:num_requests_waiting"] == 0
+    return idle and m["labsupport:kv_cache_free_blocks"] == 256
+
+
+def test_router_refuses_a_half_pd_deployment():
+    with pytest.raises(ValueError, match="both prefill and decode"):
+        ProductionRouter(prefill=["http://127.0.0.1:1"])
+    with pytest.raises(ValueError, match="kv_aware"):
+        ProductionRouter(workers=["http://127.0.0.1:1"], kv_events={"http://127.0.0.1:1": "tcp://127.0.0.1:2"})
+
+
+# ---------------------------------------------------------------------------- PD mode
+
+
+@pytest.fixture(scope="class")  # class scope: the two workers stop before the next class starts its two
+def pd():
+    ws = start_all([Worker("prefill", cpus="0", args=ARGS), Worker("decode", cpus="1", args=ARGS)], timeout=120)
+    router = ProductionRouter(prefill=[ws[0]], decode=[ws[1]])
+    try:
+        router.start(timeout=30)
+        yield ws, router
+    finally:
+        router.stop()
+        stop_all(ws)
+
+
+class TestPD:
+    def test_answer_through_the_router_equals_the_decode_workers_own_and_kv_moved(self, pd):
+        (prefill, decode), router = pd
+        prompt = "Explain why the sky is blue. " * 8
+        before = metrics(decode)
+        routed = complete(router.url, prompt, 16)
+        after = metrics(decode)
+        own = complete(decode.url, prompt, 16)  # the decode worker alone: it computes the prompt itself
+        assert routed["choices"][0]["text"] == own["choices"][0]["text"]
+        received = "labsupport:kv_transfer_bytes_received_total"
+        moved = after[received] - before[received]
+        assert moved > 0, "the decode worker pulled the prompt's KV from the prefill worker"
+        key = 'labsupport:prompt_tokens_by_source_total{source="external_kv_transfer"}'
+        assert after[key] - before[key] >= routed["usage"]["prompt_tokens"] - BLOCK  # all but the last partial block
+        print(f"PD via vllm-router: {moved:,.0f} KV bytes received by the decode worker, "
+              f"{after[key] - before[key]:.0f} of {routed['usage']['prompt_tokens']} prompt tokens transferred")
+
+    def test_a_streamed_chat_comes_through_chunk_by_chunk(self, pd):
+        _, router = pd
+        body = {"model": "smol", "messages": [{"role": "user", "content": "Count from one to ten."}],
+                "max_tokens": 24, "temperature": 0, "stream": True}
+        chunks, arrivals = [], []
+        with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    delta = json.loads(line[6:])["choices"]
+                    if delta and delta[0]["delta"].get("content"):
+                        chunks.append(delta[0]["delta"]["content"])
+                        arrivals.append(time.perf_counter())
+        assert len(chunks) >= 10, chunks
+        assert arrivals[-1] - arrivals[0] > 0.05, "chunks arrived as they were generated, not all at once"
+
+
+# ---------------------------------------------------------------------------- colocated
+
+
+def events_config(port: int, replay_port: int) -> str:
+    """Topic "" (vLLM's default): vllm-router 0.1.17's --kv-event-source takes no topic and reads only topic "";
+    with "kv-events" it indexed nothing and credited no prefix (measured)."""
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
+                       "replay_endpoint": f"tcp://*:{replay_port}", "topic": ""})
+
+
+@pytest.fixture(scope="class")
+def pair():
+    """Two colocated workers, one core each, publishing KV-cache events."""
+    ports = [(free_port(), free_port()) for _ in range(2)]
+    ws = [Worker(cpus=str(i), args=[*ARGS, "--kv-events-config", events_config(*p)]) for i, p in enumerate(ports)]
+    start_all(ws, timeout=120)
+    try:
+        yield ws, [{w: f"tcp://127.0.0.1:{p[k]}" for w, p in zip(ws, ports)} for k in range(2)]
+    finally:
+        stop_all(ws)
+
+
+class TestColocated:
+    def test_round_robin_alternates_and_answers_equal_a_workers_own(self, pair):
+        ws, _ = pair
+        with ProductionRouter(workers=ws, policy="round_robin") as router:
+            before = [served_requests(w) for w in ws]
+            answers = [complete(router.url, "The capital of France is")["choices"][0]["text"] for _ in range(4)]
+            after = [served_requests(w) for w in ws]
+        assert [a - b for a, b in zip(after, before)] == [2, 2]
+        assert set(answers) == {complete(ws[0].url, "The capital of France is")["choices"][0]["text"]}
+
+    def test_kv_aware_sends_a_shared_prefix_to_the_worker_holding_it(self, pair):
+        """Each worker first holds one document (sent to it directly, past the router); then questions on
+        both documents go through the router. Only the events tell the router which worker holds which."""
+        ws, endpoints = pair
+        from labsupport.data import __file__ as data_init
+        from labsupport.models.loader import resolve_model_path
+        text = open(data_init.replace("__init__.py", "northwind_handbook.txt")).read()
+        results = {}
+        for policy, offset in (("kv_aware", 0), ("round_robin", 2000)):  # fresh documents for each policy
+            docs = [text[offset + 1000 * i: offset + 1000 * (i + 1)] for i in range(2)]  # ~14 blocks each
+            kv, replay = endpoints if policy == "kv_aware" else (None, None)
+            with ProductionRouter(workers=ws, policy=policy, kv_events=kv, kv_replay=replay, block_size=BLOCK,
+                                  model=str(resolve_model_path(None)) if kv else None) as router:
+                for w, doc in zip(ws, docs):
+                    complete(w.url, doc + "\nQuestion: what is this about?", 1)  # the worker now holds the document
+                time.sleep(1.0)  # the events reach the router (one batch per step, sent at once)
+                before = [metrics(w) for w in ws]
+                hits = 0
+                for k, d in enumerate((0, 0, 1, 1, 0, 1)):  # twice in a row: round robin sends one of each pair
+                    doc = docs[d]  # to the worker without the document, whichever worker it starts on
+                    usage = complete(router.url, doc + f"\nQuestion {k}: what does item {k} say?", 1)["usage"]
+                    hits += usage["prompt_tokens_details"]["cached_tokens"] >= len(doc) // 8  # found its document
+                after = [metrics(w) for w in ws]
+            q = sum(a["labsupport:prefix_cache_queries_total"] - b["labsupport:prefix_cache_queries_total"]
+                    for a, b in zip(after, before))
+            h = sum(a["labsupport:prefix_cache_hits_total"] - b["labsupport:prefix_cache_hits_total"]
+                    for a, b in zip(after, before))
+            results[policy] = (hits, h / q)
+        print("requests that found their document's blocks, of 6; prefix-cache hit rate over both workers: "
+              + ", ".join(f"{p}: {n}/6, {rate:.0%}" for p, (n, rate) in results.items()))
+        assert results["kv_aware"][0] == 6
+        assert results["round_robin"][0] < 6
+        assert results["kv_aware"][1] > results["round_robin"][1]
+
+    def test_a_worker_killed_mid_stream_ends_that_stream_and_the_survivor_leaks_nothing(self, pair):
+        ws, _ = pair
+        with ProductionRouter(workers=ws, policy="round_robin", args=["--health-check-interval-secs", "1",
+                                                                      "--health-failure-threshold", "1"]) as router:
+            body = {"model": "smol", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
+                    "temperature": 0, "stream": True}
+            got, outcome = 0, "finished"
+            with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
+                assert r.status_code == 200
+                victim = None
+                try:
+                    for line in r.iter_lines():
+                        got += line.startswith("data: {")
+                        if got == 5 and victim is None:
+                            victim = next(w for w in ws if metrics(w)["labsupport:num_requests_running"] == 1)
+                            victim.kill()
+                        if line == "data: [DONE]":
+                            break
+                    else:
+                        outcome = "cut"
+                except httpx.HTTPError as exc:
+                    outcome = f"error: {type(exc).__name__}"
+            assert victim is not None and got < 400, (outcome, got)  # the stream ended early, whatever its last line
+            survivor = next(w for w in ws if w is not victim)
+            time.sleep(2.5)  # the router's health check marks the dead worker (interval 1 s, threshold 1)
+            codes = [httpx.post(router.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 4},
+                                timeout=30).status_code for _ in range(4)]
+            print(f"killed mid-stream after {got} chunks: the client saw '{outcome}'; then {codes} from the router")
+            assert codes.count(200) >= 3, codes
+        wait_until(lambda: all_blocks_free(survivor), timeout=15, interval=0.2)
+        assert metrics(survivor)["labsupport:num_requests_running"] == 0
