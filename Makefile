@@ -12,7 +12,7 @@ NBVAL  := --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cel
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: lab test test-vllm setup model unit claims nbval soak slides slides-deps browser-deps exercises execute clean \
-	unit-quick gpu-check vllm vllm-env gpu-bundle gpu-course gpu-rehearsal clients serve-compare
+	unit-quick gpu-check vllm vllm-env gpu-bundle gpu-course gpu-rehearsal clients router serve-compare
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,8 +34,8 @@ lab: model
 # The installs run side by side (they wait on the network and the disk more than the CPU); vllm
 # before unit: the vLLM tests (bench serve, chapter 08) run it from .venv-vllm (without it, they skip).
 test:
-	$(MAKE) -j4 model slides-deps browser-deps vllm
-	$(MAKE) claims unit nbval gpu-rehearsal
+	$(MAKE) -j4 model slides-deps browser-deps vllm router
+	$(MAKE) claims unit nbval gpu-rehearsal gpu-preflight-rehearsal
 
 # Tests that start `vllm serve` are left to chapter 08, which nbval runs with the same checks (CI time);
 # `make test-vllm` runs them.
@@ -96,6 +96,19 @@ execute: model
 gpu-check:
 	$(PYTHON) -m labsupport.bench.gpu.gpu_check $(GPU_CHECK_ARGS)
 
+# The first command on a GPU machine (docs/gpu.md), in at most 6 minutes, no bundle, random weights: the machine
+# and versions, the simulated clock's step-cost profiles (default model and Llama-3.1-8B shapes), probes of what
+# the chapters assert at GPU scale, then every gpu-check part while time is left. GPU_PREFLIGHT_ARGS="--out DIR"
+# (required) gets preflight.json, preflight.log and the profiles. `gpu-preflight-rehearsal` (in `make test`): the
+# same on the CPU with tiny float32 shapes, so that the GPU's first minute is not spent on a typo.
+.PHONY: gpu-preflight gpu-preflight-rehearsal
+gpu-preflight:
+	$(PYTHON) -m labsupport.bench.gpu.gpu_preflight $(GPU_PREFLIGHT_ARGS)
+
+gpu-preflight-rehearsal: model
+	OMP_NUM_THREADS=1 $(MAKE) gpu-preflight PYTHON=$(BIN)/python \
+		GPU_PREFLIGHT_ARGS="--device cpu --quick --out build/gpu-preflight-rehearsal"
+
 # The whole course on a GPU machine (docs/gpu.md). `make gpu-bundle`, here: the wheels its image lacks and
 # the model, packed and cut into parts that travel one per command. `make gpu-course`, there, after the
 # parts arrived: join, install, prepare the model, execute every chapter, summarise (GPU_COURSE_ARGS="--archive
@@ -140,12 +153,20 @@ else
 endif
 	touch $@
 
-# Outside clients for `bench serve-compare` in their own venv (they pin their own transformers): guidellm.
+# Outside clients for `bench serve-compare` in their own venv (they pin their own transformers): guidellm, and the
+# vLLM project's production router (`vllm-router`, a Rust binary; chapters 07 and 08, docs/scale-out.md).
+# `make router` installs the router alone (about 24 MB): `make test` runs its tests in front of our workers.
 CLIENTS_VENV := .venv-clients
 clients: $(CLIENTS_VENV)/.installed
 $(CLIENTS_VENV)/.installed:
 	test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
-	$(CLIENTS_VENV)/bin/pip install guidellm==0.8.1 py-spy==0.4.3
+	$(CLIENTS_VENV)/bin/pip install guidellm==0.8.1 py-spy==0.4.3 vllm-router==0.1.17
+	touch $@ $(CLIENTS_VENV)/.router
+
+router: $(CLIENTS_VENV)/.router
+$(CLIENTS_VENV)/.router:
+	test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/pip install vllm-router==0.1.17
 	touch $@
 
 # Our server and `vllm serve`, one after the other, under vllm bench serve, guidellm and the openai SDK

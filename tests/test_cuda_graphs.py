@@ -109,3 +109,104 @@ def test_stacked_projections_give_the_same_logits_and_share_memory(spec):
     other.load_state_dict(model.state_dict(keep_vars=True), assign=True)
     fuse_projections(other)
     assert other.model.layers[1].mlp.gate_up.data_ptr() == model.model.layers[1].mlp.gate_up.data_ptr()
+
+
+# ---- graphs recorded ahead of time, and following max_num_seqs (issue 52, items 3 and 4) ----------------------
+
+def _recording_graphs(monkeypatch, max_batch, config=None):
+    """A ``DecodeGraphs`` that records (``capture=True``) with the recording itself replaced by a note of the bucket
+    and of the thread that recorded it: on the CPU everything around a CUDA capture runs for real."""
+    import threading
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    recorded = []
+
+    def record(self, size):
+        recorded.append((size, threading.current_thread().name, self.max_batch))
+        self.graphs[size] = SimpleNamespace(replay=lambda: None)
+        self.logits[size] = self._forward(size)
+        self.captured.append(size)
+
+    monkeypatch.setattr(DecodeGraphs, "_capture", record)
+    cfg = RANDOM_MODELS["tiny"]
+    model = random_model(cfg, "cpu", torch.float32)
+    backend = PagedAttention(cfg.num_layers, 32, BS, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu",
+                             scratch_block=True)
+    return model, backend, recorded
+
+
+def test_the_engine_build_records_every_bucket_before_it_serves(monkeypatch):
+    from labsupport.engine import build
+    from labsupport.engine.config import EngineConfig
+    model, backend, recorded = _recording_graphs(monkeypatch, 24)
+    config = EngineConfig(max_num_seqs=24, max_model_len=64, num_blocks=32, block_size=BS)
+    graphs = build.step_executor(config, model, backend, "cpu")
+    assert isinstance(graphs, DecodeGraphs) and [size for size, _, _ in recorded] == capture_sizes(24)
+    assert graphs.config is config  # the live config: a raised max_num_seqs reaches the graphs
+    scratch = backend.scratch_slot
+    assert all(row == scratch for row in graphs.slots.tolist())  # recorded on padding: no live block written
+    step = SchedulerOutput(requests=_decode_requests([5, 9, 3]), num_new_tokens=[1, 1, 1])
+    assert graphs.can_run(step)
+    graphs.run(step)
+    assert len(recorded) == len(capture_sizes(24))  # a step records nothing more
+
+
+def test_raising_max_num_seqs_records_every_bucket_again_when_it_changes(monkeypatch):
+    from labsupport.engine import build
+    from labsupport.engine.config import EngineConfig
+    from labsupport.engine.plug_points import RuntimeOptions
+    model, backend, recorded = _recording_graphs(monkeypatch, 3)
+    config = EngineConfig(max_num_seqs=3, max_model_len=64, num_blocks=32, block_size=BS)
+    graphs = build.step_executor(config, model, backend, "cpu")
+    options = RuntimeOptions(config)
+    options.watch(build.follow_options(graphs))
+    recorded.clear()
+    with options.changed(max_num_seqs=16):
+        assert graphs.max_batch == 16 and [size for size, _, _ in recorded] == capture_sizes(16)
+        assert all(batch == 16 for _, _, batch in recorded)  # recorded on the new, larger buffers
+        step = SchedulerOutput(requests=_decode_requests([5, 9, 3, 17, 4, 8, 2, 30, 11]), num_new_tokens=[1] * 9)
+        assert graphs.can_run(step)  # 9 rows: a graph, not a silent eager step
+    assert graphs.max_batch == 16  # lowering it back keeps the larger graphs (a bucket above the batch is padding)
+    assert build.follow_options(object()) is None  # an executor no option sizes is not watched
+
+
+def test_graphs_not_told_of_a_raise_catch_up_before_the_larger_step(monkeypatch):
+    """Without the engine's watch (an engine built before it, a config changed by hand), the first step of a
+    larger batch records the buckets, then replays: never an eager step for want of a graph."""
+    from labsupport.engine.config import EngineConfig
+    from labsupport.engine.plug_points import RuntimeOptions
+    model, backend, recorded = _recording_graphs(monkeypatch, 2)
+    config = EngineConfig(max_num_seqs=2, max_model_len=64, num_blocks=32, block_size=BS)
+    graphs = DecodeGraphs(model, backend, 2, 64, config=config)
+    RuntimeOptions(config).set(max_num_seqs=6)
+    lens = [5, 9, 3, 17, 4]
+    step = SchedulerOutput(requests=_decode_requests(lens), num_new_tokens=[1] * len(lens))
+    with torch.inference_mode():
+        logits = graphs.decode_logits(step)
+    assert logits is not None and logits.shape[0] == len(lens) and graphs.max_batch == 6
+    assert [size for size, _, _ in recorded] == capture_sizes(6)
+
+
+def test_graphs_step_aside_for_a_connector_that_runs_code_inside_the_forward(monkeypatch):
+    from labsupport.pd.connector import TcpConnector
+    model, backend, _ = _recording_graphs(monkeypatch, 4)
+    graphs = DecodeGraphs(model, backend, 4, 64, capture=False)
+    step = SchedulerOutput(requests=_decode_requests([5, 9]), num_new_tokens=[1, 1])
+
+    class Pushes(TcpConnector):  # a connector that sends each layer as it is written, inside the forward
+        def save_kv_layer(self, layer, k_pool, v_pool, attn_metadata):
+            pass
+
+    # made without __init__ (no server): only their classes' hooks matter here
+    for connector, replays in ((None, True), (TcpConnector.__new__(TcpConnector), True),
+                               (Pushes.__new__(Pushes), False)):
+        backend.connector = connector
+        assert graphs.can_run(step) is replays
+
+
+def _decode_requests(lens):
+    cfg = RANDOM_MODELS["tiny"]
+    blocks = iter(random.Random(1).sample(range(32), 32))
+    return [SimpleNamespace(request_id=f"r{i}", num_computed_tokens=n - 1, num_tokens=n,
+                            all_token_ids=[(3 * i + j) % cfg.vocab_size for j in range(n)],
+                            block_table=[next(blocks) for _ in range(-(-n // BS))], params=SimpleNamespace(greedy=True))
+            for i, n in enumerate(lens)]

@@ -95,9 +95,27 @@ def test_the_runner_goes_on_past_a_failing_cell_and_reports_it(tmp_path, monkeyp
 
 def test_chapters_are_chosen_by_number():
     assert [p.name[:2] for p in gpu_course.chapters("00,02")] == ["00", "02"]
+    # in the order given: docs/gpu.md's order runs what teaches most first, before the deadline can stop it
+    assert [p.name[:2] for p in gpu_course.chapters("09,07,06,02,07")] == ["09", "07", "06", "02"]
     assert len(gpu_course.chapters("all")) == len(list(gpu_course.NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")))
     with pytest.raises(SystemExit, match="no chapter 42"):
         gpu_course.chapters("42")
+
+
+def test_a_cell_cut_by_the_deadline_is_a_stop_not_a_failure(tmp_path, monkeypatch):
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    _notebook(notebooks / "00_slow.ipynb", ['print("\u2713 quick")', "import time\ntime.sleep(120)", 'print("never")'])
+    monkeypatch.setattr(gpu_course, "MIN_CELL_S", 1)
+    import time
+    row = gpu_course.run_chapter(notebooks / "00_slow.ipynb", tmp_path / "out", cell_timeout=120,
+                                 deadline=time.monotonic() + 20)
+    assert row["failed"] == [] and row["first_error"] is None and row["cells_run"] == 1
+    assert row["stopped"] == "the run's deadline interrupted cell 2" and not row["ok"]
+    late = gpu_course.run_chapter(notebooks / "00_slow.ipynb", tmp_path / "late", cell_timeout=120,
+                                  deadline=time.monotonic() + 0.5)  # less than a cell's minimum left: none starts
+    assert late["cells_run"] == 0 and not late["failed"]
+    assert late["stopped"] == "the run's deadline passed before cell 1"
 
 
 def test_labsupport_dtype_replaces_auto_and_nothing_else(monkeypatch):

@@ -14,6 +14,7 @@ bf16/fp16 round differently in the two paths (the PyTorch one rounds scores and 
 the input type; the kernel keeps them in fp32), so each is compared to an fp32 reference computed
 from the same rounded inputs, and must be at least about as close to it as the PyTorch path.
 """
+import dataclasses
 import os
 import subprocess
 import sys
@@ -87,10 +88,49 @@ def test_kernel_equals_pytorch_path_half(kernel, heads, kv_heads, head_dim, bloc
 
 
 @interpreted
-def test_kernel_rejects_what_it_cannot_do(kernel):
-    q, k, v, rows = random_case([5], 2, 1, 32, 16, torch.float32)
-    with pytest.raises(ValueError, match="power-of-two"):
-        kernel.triton_decode_attention(q, k, v, rows, 12)
+def test_kernel_steps_back_to_pytorch_for_what_it_cannot_do(kernel):
+    """A block size of 12 (not a power of two): the PyTorch path's answer, and a warning saying why, once."""
+    q, k, v, rows = random_case([5, 30], 2, 1, 32, 12, torch.float32)
+    with pytest.warns(RuntimeWarning, match="power-of-two block sizes"):
+        got = kernel.triton_decode_attention(q, k, v, rows, 12)
+    torch.testing.assert_close(got, paged_decode_attention(q, k, v, rows, 12))
+    graph_rows = dataclasses.replace(rows, padding=None)  # as CUDA graphs hand it: the mask made from the lengths
+    torch.testing.assert_close(kernel.triton_decode_attention(q, k, v, graph_rows, 12), got)
+
+
+@interpreted
+def test_kernel_that_fails_to_compile_steps_back_once_and_for_good(kernel, monkeypatch):
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("PassManager::run failed (a compile error planted by the test)")
+            return launch
+
+    q, k, v, rows = random_case([7, 19], 4, 2, 16, 16, torch.float16)
+    monkeypatch.setattr(kernel, "_decode_kernel", Broken())
+    monkeypatch.setattr(kernel, "_FAILED", {})
+    monkeypatch.setattr(kernel, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match="PassManager"):
+        got = kernel.triton_decode_attention(q, k, v, rows, 16)
+    torch.testing.assert_close(got, paged_decode_attention(q, k, v, rows, 16))
+    assert list(kernel._FAILED) == [(torch.float16, 2, 16, 16)]
+    kernel.triton_decode_attention(q, k, v, rows, 16)  # no second warning, no second try
+
+
+@interpreted
+def test_a_failure_of_a_kernel_that_once_ran_still_raises(kernel, monkeypatch):
+    q, k, v, rows = random_case([5], 2, 1, 16, 16, torch.float32)
+    kernel.triton_decode_attention(q, k, v, rows, 16)  # compiles and runs: its key is now known good
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("a launch failure the kernel must not hide")
+            return launch
+
+    monkeypatch.setattr(kernel, "_decode_kernel", Broken())
+    with pytest.raises(RuntimeError, match="must not hide"):
+        kernel.triton_decode_attention(q, k, v, rows, 16)
 
 
 @interpreted

@@ -34,7 +34,8 @@ def kv_and_backend(c: EngineConfig, model, device, draft_model=None):
         return kv, ContiguousAttention(kv)
     num_blocks = c.num_blocks or blocks_in_budget(c, [model] + ([draft_model] if draft_model else []), device, dtype)
     backend = PagedAttention(cfg.num_layers, num_blocks, c.block_size, cfg.num_kv_heads, cfg.head_dim,
-                             dtype, device, scratch_block=uses_cuda_graphs(c, device), cpu_kernel=c.cpu_decode_kernel)
+                             dtype, device, scratch_block=uses_cuda_graphs(c, device, cfg.head_dim),
+                             cpu_kernel=c.cpu_decode_kernel)
     cpu_tier = (CPUTier(c.cpu_offload_blocks, backend.k_pool, backend.v_pool, c.block_size)
                 if c.cpu_offload_blocks else None)
     kv = KVCacheManager(num_blocks, c.block_size, enable_prefix_caching=c.enable_prefix_caching, cpu_tier=cpu_tier)
@@ -59,12 +60,15 @@ def blocks_in_budget(c: EngineConfig, models: list, device, dtype) -> int:
     return budget // per_block
 
 
-def uses_cuda_graphs(c: EngineConfig, device) -> bool:
-    """Decode steps replay CUDA graphs on a GPU with the Triton kernel, unless ``enforce_eager``."""
+def uses_cuda_graphs(c: EngineConfig, device, head_dim: int | None = None) -> bool:
+    """Decode steps replay CUDA graphs on a GPU with the Triton kernel, unless ``enforce_eager``. Not without the
+    kernel, or for a head or block size it does not serve: the PyTorch path a graph would replay gathers every
+    row's blocks up to ``max_model_len`` (its shapes must not change between replays), far slower than eager."""
     if torch.device(device).type != "cuda" or c.enforce_eager or c.kv_cache != "paged":
         return False
     from ..kernels import triton_attention
-    return triton_attention.available(device)
+    return triton_attention.available(device) and (head_dim is None
+                                                   or triton_attention.kernel_applies(head_dim, c.block_size))
 
 
 def uses_cpu_decode_layers(c: EngineConfig, device, backend, model) -> bool:
@@ -78,12 +82,24 @@ def uses_cpu_decode_layers(c: EngineConfig, device, backend, model) -> bool:
 
 def step_executor(c: EngineConfig, model, backend, device):
     """How the runner runs a step's forward on this device, chosen once: CUDA graphs where the backend was made
-    for them (``uses_cuda_graphs``), the CPU's C++ decode layers where they apply, else None (the Python layers)."""
+    for them (``uses_cuda_graphs``), the CPU's C++ decode layers where they apply, else None (the Python layers).
+    Graphs are recorded here, for every batch up to ``max_num_seqs``, before the engine serves anything and
+    before a KV connector starts its threads (``kernels/cuda_graphs.py`` says why); they follow ``c``, the
+    engine's live config, when ``max_num_seqs`` is raised (``follow_options``)."""
     if getattr(backend, "scratch_slot", None) is not None:
-        return DecodeGraphs(model, backend, c.max_num_seqs, c.max_model_len)
+        graphs = DecodeGraphs(model, backend, c.max_num_seqs, c.max_model_len, config=c)
+        graphs.capture_all()
+        return graphs
     if uses_cpu_decode_layers(c, device, backend, model):
         return CpuDecodeLayers(model, backend)
     return None
+
+
+def follow_options(executor):
+    """What the engine's ``RuntimeOptions.watch`` gets for its step executor: CUDA graphs re-recorded when
+    ``max_num_seqs`` is raised (chapter 04's dial), at the change rather than inside the next timed step;
+    None for an executor that no option sizes."""
+    return getattr(executor, "follow", None)
 
 
 def model_kernels(model, device):

@@ -70,6 +70,9 @@ class LLMEngine:
         self.structured_outputs = self.runner.sampler.structured = StructuredOutputs(  # grammars compile on first use
             self.tokenizer, self.model.config.vocab_size, self.scheduler.lifecycle.eos_token_ids)
         self._finish_assembly(self.model.config.vocab_size)
+        follow = build.follow_options(self.runner.executor)  # CUDA graphs re-recorded when max_num_seqs is raised
+        if follow is not None:
+            self.runtime_options.watch(follow)
 
     @classmethod
     def from_parts(cls, config: EngineConfig, kv, runner, vocab_size: int, eos_token_ids=(), clock=time.perf_counter):

@@ -130,6 +130,12 @@ class RuntimeOptions:
 
     def __init__(self, config):
         self.config = config
+        self.watchers: list[Callable] = []  # called with the config after every change and restore
+
+    def watch(self, fn: Callable):
+        """Call ``fn(config)`` after every change (and restore) of an option: a part sized by an option when the
+        engine was built follows it (CUDA graphs recorded for every batch up to ``max_num_seqs``)."""
+        self.watchers.append(fn)
 
     def set(self, **changes) -> dict:
         """Change options now (chapter 04's ``max_num_seqs`` dial); returns the old values."""
@@ -144,6 +150,8 @@ class RuntimeOptions:
         checked = dataclasses.replace(self.config, **values)  # raises ValueError, saying what is wrong
         for name in values:
             setattr(self.config, name, getattr(checked, name))
+        for fn in self.watchers:
+            fn(self.config)
 
     @contextlib.contextmanager
     def changed(self, **changes):

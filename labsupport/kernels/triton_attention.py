@@ -21,8 +21,10 @@ CPU tensors with numpy: slow, but it checks the very same code (``tests/test_tri
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import warnings
 
 import torch
 
@@ -42,31 +44,77 @@ def available(device) -> bool:
     return triton is not None and (torch.device(device).type == "cuda" or INTERPRETED)
 
 
+def kernel_applies(head_dim: int, block_size: int) -> bool:
+    """The shapes the kernel serves: power-of-two blocks, and heads of a power of two >= 16 (``tl.arange`` sizes)."""
+    return not (block_size & (block_size - 1) or head_dim & (head_dim - 1) or head_dim < 16)
+
+
 def triton_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows,
                             block_size: int) -> torch.Tensor:
-    """Same contract as ``paged_decode_attention``: q [B, H, D], pools [Hkv, slots, D] -> [B, H, D]."""
+    """Same contract as ``paged_decode_attention``: q [B, H, D], pools [Hkv, slots, D] -> [B, H, D].
+
+    Where the kernel cannot serve the call, it steps back to ``paged_decode_attention`` and says so once: a shape
+    it does not serve (``kernel_applies``: an attendee's block size of 12, a model's head of 80), or a kernel that
+    fails to compile here (a triton or GPU the kernel was never built for). An engine then runs slower, not wrong,
+    and a failure of a kernel that once ran still raises."""
     b, h, d = q.shape
     hkv = k_pool.shape[0]
     group = h // hkv
-    if block_size & (block_size - 1) or d & (d - 1) or d < 16:
-        raise ValueError(f"the Triton kernel needs power-of-two block_size and head_dim >= 16, got {block_size}, {d}")
+    key = (q.dtype, group, d, block_size)
+    if not kernel_applies(d, block_size) or key in _FAILED:
+        return _step_back(q, k_pool, v_pool, rows, block_size, key)
     q = q.contiguous()
     assert k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1 and k_pool.stride() == v_pool.stride()
     tables, lens = rows.block_tables.contiguous(), rows.context_lens.contiguous()
     out = torch.empty_like(q)
     if b == 0:
         return out
-    _decode_kernel[(b, hkv)](
-        q, k_pool, v_pool, out, tables, lens,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), tables.stride(0), 1.0 / math.sqrt(d),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot wants >= 16 rows
-        HEAD_DIM=d, BLOCK_SIZE=block_size, TILE=TILE,
-        # fp32 in, fp32 products (not TF32): the kernel must agree with the PyTorch path to ~1e-6
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        # the interpreter's tl.dot multiplies bfloat16 *bit patterns* (triton 3.7-3.9): give it fp32
-        DOT_TYPE=tl.float32 if INTERPRETED and q.dtype == torch.bfloat16 else _TL_TYPES[q.dtype],
-        num_warps=2, num_stages=2)  # the fastest of 36 settings on an H200 (B=64, contexts 512-1024, bf16)
+    try:
+        _decode_kernel[(b, hkv)](
+            q, k_pool, v_pool, out, tables, lens,
+            q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), tables.stride(0), 1.0 / math.sqrt(d),
+            **launch_options(q.dtype, group, d, block_size))
+    except Exception as exc:  # raised by the launch itself: compiling failed (a kernel's run fails asynchronously)
+        if key in _LAUNCHED:
+            raise
+        _FAILED[key] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        return _step_back(q, k_pool, v_pool, rows, block_size, key)
+    _LAUNCHED.add(key)
     return out
+
+
+_LAUNCHED: set = set()  # (dtype, group, head_dim, block_size) the kernel compiled and launched for
+_FAILED: dict = {}  # the same keys whose compile failed, with the error
+_WARNED: set = set()
+
+
+def _step_back(q, k_pool, v_pool, rows, block_size: int, key) -> torch.Tensor:
+    from ..engine.paged_attention import paged_decode_attention
+    if key not in _WARNED:
+        _WARNED.add(key)
+        why = _FAILED.get(key) or f"it serves power-of-two block sizes and heads >= 16, got {block_size} and {key[2]}"
+        warnings.warn(f"the Triton decode kernel steps back to the PyTorch path for {key[0]} heads of {key[2]} "
+                      f"in blocks of {block_size}: {why}", RuntimeWarning, stacklevel=3)
+    if rows.padding is None:  # CUDA graphs leave the mask out for the kernel: made from the lengths, on the device
+        width = rows.block_tables.shape[1] * block_size
+        rows = dataclasses.replace(rows, padding=torch.arange(width, device=q.device)[None, :]
+                                   >= rows.context_lens[:, None])
+    return paged_decode_attention(q, k_pool, v_pool, rows, block_size)
+
+
+def launch_options(dtype: torch.dtype, group: int, head_dim: int, block_size: int, interpreted: bool = None) -> dict:
+    """The kernel's compile-time constants and launch settings for a dtype and head shape: the launch above uses
+    them, and so does the ahead-of-time compile for sm_90 (``tests/test_gpu_path_cpu.py``), so both build the
+    same kernel."""
+    interpreted = INTERPRETED if interpreted is None else interpreted
+    return dict(
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot wants >= 16 rows
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=TILE,
+        # fp32 in, fp32 products (not TF32): the kernel must agree with the PyTorch path to ~1e-6
+        PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        # the interpreter's tl.dot multiplies bfloat16 *bit patterns* (triton 3.7-3.9): give it fp32
+        DOT_TYPE=tl.float32 if interpreted and dtype == torch.bfloat16 else _TL_TYPES[dtype],
+        num_warps=2, num_stages=2)  # the fastest of 36 settings on an H200 (B=64, contexts 512-1024, bf16)
 
 
 if triton is not None:  # the kernel can only be defined where triton is installed

@@ -45,9 +45,17 @@ def triton_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
                                                                                       device=k.device)
     if t:
         _rope_kernel[(t,)](q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                           cos.stride(0), HEADS=h, HEADS_PAD=triton.next_power_of_2(h), KV_HEADS=hkv,
-                           KV_HEADS_PAD=triton.next_power_of_2(hkv), HALF=d // 2)
+                           cos.stride(0), **rope_constants(h, hkv, d))
     return q_out, k_out
+
+
+def rope_constants(heads: int, kv_heads: int, head_dim: int) -> dict:
+    """The RoPE kernel's compile-time constants (the launch and the ahead-of-time compile for sm_90 share them)."""
+    return dict(HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), KV_HEADS=kv_heads,
+                KV_HEADS_PAD=triton.next_power_of_2(kv_heads), HALF=head_dim // 2)
+
+
+SILU_BLOCK = 1024  # columns of one program of the SiLU-and-multiply kernel
 
 
 def triton_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -57,8 +65,7 @@ def triton_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     out = torch.empty(t, half, dtype=gate_up.dtype, device=gate_up.device)
     if t:
-        block = 1024
-        _silu_mul_kernel[(t, triton.cdiv(half, block))](gate_up, out, half, BLOCK=block)
+        _silu_mul_kernel[(t, triton.cdiv(half, SILU_BLOCK))](gate_up, out, half, BLOCK=SILU_BLOCK)
     return out
 
 

@@ -44,6 +44,24 @@ from .gpu_compute_less import check_compute_less, format_compute_less
 from .gpu_decode import DECODE_MODELS, TARGET, check_decode, check_kernel, check_w1, copy_bandwidth
 from .gpu_parity import check_parity
 
+PART_NAMES = ("parity", "kernel", "decode", "w1", "compute_less", "chunked_prefill")
+
+
+def parts(device, quick: bool, dtype, copy_bw: float) -> list[tuple[str, object, tuple]]:
+    """The parts in the order this script runs them: (name, function, its arguments). ``gpu_preflight.py``
+    runs the same list under its own deadline."""
+    return [("parity", check_parity, (device, quick)), ("kernel", check_kernel, (device, quick)),
+            ("decode", check_decode, (device, quick, dtype, copy_bw)), ("w1", check_w1, (device, quick, dtype)),
+            ("compute_less", check_compute_less, (device, quick, dtype)),
+            ("chunked_prefill", check_chunked_prefill, (device, quick, dtype))]
+
+
+def parts_ok(report: dict) -> bool:
+    """No part raised, and the parts that judge (parity, the kernel, compute less) said OK."""
+    return (not any("error" in report.get(part, {}) for part in PART_NAMES)
+            and all(report.get(part, {}).get("ok", True) for part in ("parity", "kernel", "compute_less")))
+
+
 # ------------------------------------------------------------------ report
 
 def run_part(name, fn, *args) -> dict:
@@ -105,13 +123,14 @@ def print_report(r: dict):
         print(f"    {key.replace('_', ' ')}: {w[key]:.1%}")
     c = r.get("compute_less")
     if c is not None:
-        print(f"[4] compute less ({c['seconds']:.0f} s): " + (c.get("error") or ("OK" if c["ok"] else "FAILED")))
-        if "error" not in c:
+        print(f"[4] compute less ({c['seconds']:.0f} s): " + (c.get("skipped") or c.get("error")
+                                                               or ("OK" if c["ok"] else "FAILED")))
+        if "error" not in c and "skipped" not in c:
             print("\n".join(format_compute_less(c)))
     cp = r.get("chunked_prefill")
     if cp is not None:
-        print(f"[5] chunked prefill ({cp['seconds']:.0f} s): " + (cp.get("error") or "OK"))
-        if "error" not in cp:
+        print(f"[5] chunked prefill ({cp['seconds']:.0f} s): " + (cp.get("skipped") or cp.get("error") or "OK"))
+        if "error" not in cp and "skipped" not in cp:
             print("\n".join(format_chunked_prefill(cp)))
     print(f"total {r['seconds']:.0f} s; {'OK' if r['ok'] else 'FAILED'}")
 
@@ -143,16 +162,9 @@ def main(argv=None) -> int:
         report |= {"parity": why, "kernel": why, "decode": why, "w1": why}
     else:
         report["copy_gb_s"] = copy_bandwidth(device, (64 << 20) if args.quick else (1 << 30)) / 1e9
-        report["parity"] = run_part("parity", check_parity, device, args.quick)
-        report["kernel"] = run_part("kernel", check_kernel, device, args.quick)
-        report["decode"] = run_part("decode", check_decode, device, args.quick, dtype, report["copy_gb_s"] * 1e9)
-        report["w1"] = run_part("w1", check_w1, device, args.quick, dtype)
-        report["compute_less"] = run_part("compute_less", check_compute_less, device, args.quick, dtype)
-        report["chunked_prefill"] = run_part("chunked_prefill", check_chunked_prefill, device, args.quick, dtype)
-    report["ok"] = not any("error" in report.get(part, {}) for part in ("parity", "kernel", "decode", "w1",
-                                                                         "compute_less", "chunked_prefill")) \
-        and report["kernel"].get("ok", True) and report["parity"].get("ok", True) \
-        and report.get("compute_less", {}).get("ok", True)
+        for name, fn, fn_args in parts(device, args.quick, dtype, report["copy_gb_s"] * 1e9):
+            report[name] = run_part(name, fn, *fn_args)
+    report["ok"] = parts_ok(report)
     report["seconds"] = time.perf_counter() - started
     print_report(report)
     if args.json:

@@ -46,14 +46,19 @@ def _run(llm, workload, chunked: bool, budget: int) -> dict:
             "tpot_p99_ms": s["p99_tpot_ms"], "long_ttft_p50_ms": l["p50_ttft_ms"],
             "decode_step_ms": 1e3 * statistics.median(decode_only) if decode_only else None,
             "mixed_step_ms": 1e3 * statistics.median(t for t, _ in mixed) if mixed else None,
-            "mixed_step_prompt_tokens": statistics.median(p for _, p in mixed) if mixed else None}
+            "mixed_step_prompt_tokens": statistics.median(p for _, p in mixed) if mixed else None,
+            "step_p50_ms": 1e3 * statistics.median(t for t, _, _ in steps),
+            "step_max_ms": 1e3 * max(t for t, _, _ in steps)}
 
 
-def check_chunked_prefill(device, quick: bool, dtype) -> dict:
+def check_chunked_prefill(device, quick: bool, dtype, spec: str | None = None) -> dict:
+    """Chapter 05's workload on ``spec`` (default: the Llama-3.1-8B shape; ``gpu_preflight`` also runs the
+    chapter's own default model's shape)."""
     if quick:
-        spec, num_decoding, decode_tokens, long_tokens, chunks = "random:tiny", 2, 8, 64, (16, 32)
+        spec, num_decoding, decode_tokens, long_tokens, chunks = spec or "random:tiny", 2, 8, 64, (16, 32)
     else:  # chapter 05's parameters x its GPU_SCALE of 4
-        spec, num_decoding, decode_tokens, long_tokens, chunks = "random:llama-3.1-8b", 16, 48, 4096, (256, 512, 1024, 2048)
+        spec, num_decoding, decode_tokens, long_tokens = spec or "random:llama-3.1-8b", 16, 48, 4096
+        chunks = (256, 512, 1024, 2048)
     num_blocks = (num_decoding * -(-(32 + decode_tokens + 1) // 16) + 2 * -(-(long_tokens + 9) // 16)) * 2 + 16
     llm = random_llm(spec, device, dtype, num_blocks)
     # the chapter's own workload; a random model's tokenizer turns its text into bytes
