@@ -12,7 +12,7 @@ NBVAL  := --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cel
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: lab test test-vllm setup model unit claims nbval soak slides slides-deps browser-deps exercises execute clean \
-	unit-quick gpu-check vllm vllm-env gpu-bundle gpu-course gpu-rehearsal clients router serve-compare
+	unit-quick gpu-check vllm vllm-env gpu-bundle gpu-course gpu-rehearsal clients router serve-compare slides-instructor
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -80,6 +80,11 @@ browser-deps:
 # Decks are built from the executed notebooks' own figures (commit executed notebooks first).
 slides: setup slides-deps
 	$(BIN)/python slides/build.py --pdf
+
+# The same decks with their debrief section (the exercises' answers, slides marked <!-- debrief -->), for the
+# instructor: slides/build/instructor/. `make slides` builds the presenting decks, which leave it out.
+slides-instructor: setup slides-deps
+	$(BIN)/python slides/build.py --pdf --instructor
 
 # Regenerate the attendee versions (notebooks/exercises/) from the chapter notebooks.
 exercises: setup

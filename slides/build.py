@@ -23,6 +23,10 @@ drives it, ``overflow.js`` measures): content above the slide, past its sides or
 line fails the build, naming the deck and the page, because Marp clips such content silently and
 the slide is projected without it.
 
+Two decks from each file (``debrief.py``): slides marked ``<!-- debrief -->`` hold the exercises' answers and
+form the deck's last section. The presenting build drops them, so a deck projected before the exercise time
+gives nothing away; ``--instructor`` builds the decks with that debrief section into ``<out>/instructor/``.
+
 Any problem (a tagged cell without a PNG or without markdown, a deck pointing at a figure or an
 output nobody produced, Marp failing, a page overflowing) is reported with the file it concerns,
 and the exit status is non-zero.
@@ -45,6 +49,7 @@ import nbformat
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from course_map import expand as expand_course_map  # noqa: E402  (slides/course_map.py, beside this file)
+from debrief import select as select_slides  # noqa: E402  (slides/debrief.py)
 from notebook_text import expand as expand_notebook_text  # noqa: E402  (slides/notebook_text.py)
 
 REPO = HERE.parent
@@ -224,14 +229,16 @@ def describe_overflow(finding: dict) -> str:
 
 
 def build_deck(deck: Path, out_dir: Path, marp: str | None, chromium: str | None = None,
-               notebooks_dir: Path = REPO / "notebooks", pdf: bool = False) -> list[Path]:
+               notebooks_dir: Path = REPO / "notebooks", pdf: bool = False, instructor: bool = False) -> list[Path]:
     """Step 2 for one deck: HTML always; with a Chromium, the overflow check and, if asked, a PDF.
 
+    The presenting deck leaves out the debrief slides, the instructor deck keeps them (``debrief.py``).
     Without Marp only the deck's ``output`` lines and figures are checked (the caller says once
     that Marp is missing) and nothing is built.
     """
     try:  # a slide's measured sentences, printed by the notebook's cells (slides/notebook_text.py)
-        markdown = expand_notebook_text(inline_images(deck), deck.name[:2], notebooks_dir)
+        markdown = select_slides(inline_images(deck), instructor)
+        markdown = expand_notebook_text(markdown, deck.name[:2], notebooks_dir)
     except ValueError as error:
         raise BuildError(f"{deck}: {error}") from error
     markdown = expand_course_map(markdown, deck.name[:2])
@@ -270,10 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--notebooks", type=Path, default=REPO / "notebooks")
     parser.add_argument("--slides", type=Path, default=HERE, help="where the NN_*.md decks are")
     parser.add_argument("--out", type=Path, help="output folder (default: <slides>/build)")
+    parser.add_argument("--instructor", action="store_true",
+                        help="build the instructor decks, with the debrief slides, into <out>/instructor/")
     args = parser.parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # show each file as it is built, even in `make`
     only = {n.strip() for item in args.only or [] for n in item.split(",") if n.strip()} or None
-    out_dir = args.out or args.slides / "build"
+    out_dir = (args.out or args.slides / "build") / ("instructor" if args.instructor else "")
     errors: list[str] = []
 
     try:
@@ -295,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         errors.append("marp not found: run `npm ci --prefix slides` first")
     for deck in decks:
         try:
-            for path in build_deck(deck, out_dir, marp, chromium, args.notebooks, pdf=args.pdf):
+            for path in build_deck(deck, out_dir, marp, chromium, args.notebooks, pdf=args.pdf,
+                                   instructor=args.instructor):
                 print(f"deck    {path}")
         except BuildError as error:
             errors.append(str(error))

@@ -380,3 +380,126 @@ def test_the_pipeline_places_every_chapter_and_chapter_00_shows_the_maps_own_tab
     assert table in prose, "chapter 00's road map differs from slides/course_map.py's pipeline_table()"
     wastes = [waste for waste, _, _ in cmap.WASTES]
     assert "prefill/decode interference" in wastes, "interference is its own waste, not folded into 'idle'"
+
+
+# ------------------------------------------------------------ presenting and instructor decks (slides/debrief.py)
+
+def load_debrief():
+    spec = importlib.util.spec_from_file_location("debrief", REPO / "slides" / "debrief.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SOLUTION = re.compile(r"# BEGIN SOLUTION\n(.*?)# END SOLUTION", re.DOTALL)
+# Shorter lines (`break`, `return n`, `else:`) occur in any code: only a line this long, without spaces, is a
+# solution's own; every line of every solution block above it counts.
+MIN_SOLUTION_CHARS = 16
+
+
+def squeeze(line: str) -> str:
+    """A code line without its comment and whitespace, so re-indented or re-spaced copies still compare equal."""
+    return re.sub(r"\s+", "", re.sub(r"\s+#.*$", "", line))
+
+
+def solution_lines(notebook: Path) -> list[str]:
+    """Every squeezed line of the notebook's solution blocks (``# BEGIN SOLUTION ... # END SOLUTION``) long enough
+    to be telling."""
+    cells = json.loads(notebook.read_text())["cells"]
+    blocks = [block for cell in cells if cell["cell_type"] == "code"
+              for block in SOLUTION.findall("".join(cell["source"]))]
+    return list(dict.fromkeys(s for block in blocks for line in block.splitlines()
+                              if len(s := squeeze(line)) >= MIN_SOLUTION_CHARS))
+
+
+def leaked_lines(markdown: str, lines: list[str]) -> list[str]:
+    """The solution lines that a deck's Markdown shows, in code or in prose."""
+    deck = re.sub(r"\s+", "", markdown)
+    return [line for line in lines if line in deck]
+
+
+# Answers the decks once gave in prose or in other names than the solution's: each must stay in the debrief.
+PARAPHRASED_ANSWERS = {
+    "00": ["next_id = int(logits[-1].argmax())"],
+    "01": ["cache_k[start:start + n] = k"],
+    "02": ["table[p // B] × B + p % B", "block_tables.repeat_interleave(block_size, 1) * block_size",
+           "a decode row whose context ends at its **own position**"],
+    "03": ["parent = hash_block(parent,", "ref_counts[b] > len(owners[b])", "Free **tail first**",
+           "A **cached free** one costs one"],
+    "04": ["**Preempt the newest**", "copy it (`new_block`, `copy_block(src, dst)`)"],
+    "05": ["a prompt **alone** in its step starts whatever its size", "the pool must hold the hit and **this chunk**"],
+    "08": ["(queued tokens + this prompt's tokens) × its seconds per token"],
+    "09": ["min(1, p(d) / q(d))", "max(p − q, 0)"],
+}
+
+
+def course_decks() -> dict[str, Path]:
+    return {deck.name[:2]: deck for deck in sorted((REPO / "slides").glob("[0-9][0-9]_*.md"))}
+
+
+def test_no_presenting_deck_shows_an_exercise_solution():
+    """The presenting build holds no line of any chapter's solution blocks, nor the answers once paraphrased."""
+    debrief, decks, problems = load_debrief(), course_decks(), []
+    for notebook in course_notebooks():
+        chapter = notebook.name[:2]
+        if chapter not in decks:
+            continue
+        presenting = debrief.select(decks[chapter].read_text(), instructor=False)
+        problems += [f"{decks[chapter].name}: solution line {line!r}"
+                     for line in leaked_lines(presenting, solution_lines(notebook))]
+        problems += [f"{decks[chapter].name}: answer {answer!r}" for answer in PARAPHRASED_ANSWERS.get(chapter, [])
+                     if answer in presenting]
+    assert not problems, "move these to the deck's debrief section (<!-- debrief --> slides):\n" + "\n".join(problems)
+
+
+def test_the_leak_check_catches_a_solution_line_planted_in_a_presenting_slide(tmp_path):
+    """Proof that the test above can fail: one line of chapter 02's paged read, planted mid-deck, is found;
+    the same line on a debrief slide is not, since the presenting build drops it."""
+    notebook = REPO / "notebooks" / "02_paged_attention.ipynb"
+    lines = solution_lines(notebook)
+    planted = "    group = heads // num_kv_heads           # re-spaced and re-commented: still the solution's"
+    assert squeeze(planted) in lines
+    debrief = load_debrief()
+    deck = course_decks()["02"].read_text()
+    head, slides = debrief.split_slides(deck)
+    slides[3] += f"\n```python\n{planted}\n```\n"
+    mid_deck = head + "---\n".join(slides)
+    assert leaked_lines(debrief.select(mid_deck, instructor=False), lines) == [squeeze(planted)]
+    in_debrief = deck.rstrip("\n") + f"\n\n---\n\n<!-- debrief -->\n\n```python\n{planted}\n```\n"
+    assert leaked_lines(debrief.select(in_debrief, instructor=False), lines) == []
+
+
+def test_the_instructor_deck_keeps_the_debrief_and_the_presenting_deck_drops_it():
+    debrief, decks = load_debrief(), course_decks()
+    for chapter, answers in PARAPHRASED_ANSWERS.items():
+        text = decks[chapter].read_text()
+        instructor, presenting = debrief.select(text, instructor=True), debrief.select(text, instructor=False)
+        assert all(answer in instructor for answer in answers), f"{decks[chapter].name}: the debrief lost an answer"
+        assert "<!-- debrief -->" not in instructor, "the marker would show as a presenter note"
+        head, slides = debrief.split_slides(text)
+        kept = [s for s in slides if not debrief.is_debrief(s)]
+        assert len(kept) < len(slides) and presenting == head + "---\n".join(kept)
+        assert debrief.split_slides(instructor)[1] == [s.replace("<!-- debrief -->", "") for s in slides]
+
+
+def test_a_debrief_slide_before_the_exercise_time_is_an_error():
+    deck = "---\nmarp: true\n---\n\n# Title\n\n---\n\n<!-- debrief -->\n\n## Answer\n\n---\n\n## Exercise\n"
+    with pytest.raises(ValueError, match="slide 2 is marked <!-- debrief --> but slide 3"):
+        load_debrief().select(deck, instructor=False)
+
+
+def test_slide_breaks_inside_code_fences_do_not_split_a_slide():
+    deck = "---\nmarp: true\n---\n\n# A\n\n```text\n---\n```\n\n---\n\n<!-- debrief -->\n## B\n"
+    head, slides = load_debrief().split_slides(deck)
+    assert head == "---\nmarp: true\n---\n" and len(slides) == 2 and "```text\n---\n```" in slides[0]
+
+
+def test_instructor_build_writes_the_debrief_beside_the_presenting_deck(project):
+    """`--instructor` builds into <out>/instructor/ with the debrief slide; the plain build leaves it out."""
+    need_marp()
+    root, _ = project
+    (root / "slides" / "07_fixture.md").write_text(DECK + "\n---\n\n<!-- debrief -->\n\n## The answer slide\n")
+    assert build(root).returncode == 0
+    assert build(root, "--instructor").returncode == 0
+    assert "The answer slide" not in (root / "out" / "07_fixture.html").read_text()
+    assert "The answer slide" in (root / "out" / "instructor" / "07_fixture.html").read_text()

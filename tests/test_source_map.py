@@ -119,3 +119,37 @@ def test_as_markdown_renders_every_row_with_references_as_code():
     table = sm.as_markdown([{"a": "x | y", "b": ["p.py:Q"]}])
     assert "x \\| y" in table and "`p.py:Q`" in table
     assert sm.as_markdown(sm.MECHANISMS, ["mechanism", "vllm"]).splitlines()[0] == "| mechanism | vllm |"
+
+
+def test_every_row_of_not_in_ours_names_a_mechanism_our_code_lacks():
+    """NOT_IN_OURS once listed speculative decoding, structured output and penalties, all in our engine: each row's
+    entry-point pattern must match no code of labsupport/ (strings and comments aside)."""
+    for row in sm.NOT_IN_OURS:
+        found = sm.present_in_ours(row["absent"])
+        assert not found, f"{row['feature']} is in ours after all:\n" + "\n".join(found)
+
+
+def test_the_absence_check_finds_what_our_engine_does_have():
+    """The patterns of mechanisms ours has must be found, so an empty answer above means absent, not a blind grep."""
+    ours = {"speculative decoding": r"speculative_config", "structured output": r"structured_outputs",
+            "penalties": r"presence_penalty", "priority scheduling": r"PriorityQueue",
+            "KV cache events": r"BlockStored", "int4 weights": r"int4"}
+    for what, pattern in ours.items():
+        assert sm.present_in_ours(pattern), f"{what}: {pattern!r} not found in labsupport/"
+
+
+def test_the_absence_check_reads_code_not_strings_or_comments(tmp_path):
+    (tmp_path / "mod.py").write_text('"""We have no LoRA: lora_request is vLLM\'s."""\n'
+                                     "x = 'lora_request'  # lora_request\n"
+                                     "def run(lora_request=None):\n    return lora_request\n")
+    found = sm.present_in_ours(r"\blora_request\b", tmp_path)
+    assert [f.split(":")[:2] for f in found] == [["mod.py", "3"], ["mod.py", "4"]], found
+
+
+def test_what_ours_has_is_in_the_mechanisms_table_not_in_not_in_ours():
+    mapped = {row["mechanism"] for row in sm.MECHANISMS}
+    assert {"Speculative decoding", "Structured output", "Penalties and logit bias", "Priority scheduling",
+            "KV cache events"} <= mapped
+    missing_ours = [f for f in ("Speculative decoding", "Structured output", "KV cache events")
+                    if f in {row["feature"] for row in sm.NOT_IN_OURS}]
+    assert not missing_ours, missing_ours

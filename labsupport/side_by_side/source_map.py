@@ -5,7 +5,8 @@ Chapter 08 reads vLLM as the production version of what chapters 00-07 built. Th
 * ``MECHANISMS``: a mechanism, our file and name, vLLM's file and name, and one line on how they differ;
 * ``CONNECTOR_METHODS``: our ``KVConnectorBase`` (chapter 07) method for method against vLLM's
   ``KVConnectorBase_V1``, and where ``ExampleConnector`` and ``NixlConnector`` implement each one;
-* ``NOT_IN_OURS``: what vLLM does that our engine does not, each with a pointer into vLLM.
+* ``NOT_IN_OURS``: what vLLM does that our engine does not, each with a pointer into vLLM and a pattern for its
+  entry point that no code of ``labsupport/`` may match (``present_in_ours``).
 
 A reference is ``"path:Name"``, ``"path:Class.member"`` or a bare path: vLLM's paths are relative to the
 installed ``vllm`` package, ours to ``labsupport/``. vLLM moves fast (0.32 made NixlConnector a package
@@ -18,7 +19,9 @@ NixlPullConnector``), config fields and enum members count, and a name elsewhere
 from __future__ import annotations
 
 import functools
+import io
 import re
+import tokenize
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -156,6 +159,20 @@ MECHANISMS = [dict(zip(("mechanism", "chapter", "ours", "vllm", "differs"), (m, 
      "it forwards a prefill answer without kv_transfer_params; ours answers 502 unless --kv-params optional"),
     ("Load balancing", "07", "pd/routing.py:LeastLoaded", "v1/engine/core_client.py:DPLBAsyncMPClient",
      "vLLM balances data-parallel engines by waiting + running requests; prefix-aware routing is not in the wheel"),
+    ("Penalties and logit bias", "00", "engine/logits_processors.py:Penalties engine/logits_processors.py:apply_logit_bias",
+     "v1/sample/sampler.py:Sampler.apply_penalties v1/sample/logits_processor/builtin.py:LogitBiasLogitsProcessor",
+     "the same order: logit bias, then the repetition, frequency and presence penalties"),
+    ("Structured output", "08", "engine/structured_output.py:StructuredOutputs",
+     "v1/structured_output/__init__.py:StructuredOutputManager v1/structured_output/backend_xgrammar.py:XgrammarBackend",
+     "both compile the grammar with xgrammar and mask the tokens it forbids"),
+    ("KV cache events", "08", "serve/kv_events.py:ZmqEventPublisher serve/kv_events.py:BlockStored",
+     "distributed/kv_events.py:ZmqEventPublisher distributed/kv_events.py:BlockStored config/kv_events.py:KVEventsConfig",
+     "the same wire format (msgpack over ZMQ PUB, a replay ROUTER), so vLLM's KVEventBatch decodes ours"),
+    ("Speculative decoding", "09", "engine/spec_decode.py:Speculator engine/spec_decode.py:ngram_propose "
+     "engine/spec_decode.py:rejection_sample",
+     "v1/spec_decode/ngram_proposer.py:NgramProposer v1/spec_decode/eagle.py:EagleProposer "
+     "v1/sample/rejection_sampler.py:RejectionSampler",
+     "both verify k guesses in one pass; ours guesses by prompt lookup or a draft model, vLLM also by EAGLE"),
 ]]
 
 # (our method, side, vLLM's name, whether ExampleConnector overrides it, NixlConnector's implementation, note)
@@ -194,44 +211,53 @@ CONNECTOR_METHODS = [
 CONNECTOR_OURS_ONLY = {"check_params": "refuses kv_transfer_params it could not follow when a request is made, so a "
                                        "bad field fails that request, not a step of others"}
 
-# (feature, vLLM's references, what it is)
-NOT_IN_OURS = [{"feature": f, "vllm": refs.split(), "what": what} for f, refs, what in [
+# (feature, vLLM's references, what it is, a regex for its entry point in ours). Only what our engine lacks: each
+# row's pattern must match no code of labsupport/ (strings and comments aside), which tests/test_source_map.py checks.
+NOT_IN_OURS = [{"feature": f, "vllm": refs.split(), "what": what, "absent": absent} for f, refs, what, absent in [
     ("Piecewise CUDA graphs", "config/compilation.py:CUDAGraphMode compilation/cuda_graph.py:CUDAGraphWrapper",
-     "graphs around everything but attention, so mixed prefill+decode steps replay too"),
+     "graphs around everything but attention, so mixed prefill+decode steps replay too "
+     "(ours replays decode-only steps: kernels/cuda_graphs.py)", r"(?i)piecewise|CUDAGraphMode"),
     ("torch.compile", "compilation/decorators.py:support_torch_compile compilation/backends.py:VllmBackend",
-     "the model's graph compiled once, with fusion passes"),
-    ("Custom C++/CUDA ops", "_custom_ops.py:fused_add_rms_norm model_executor/layers/fused_moe/fused_moe.py:fused_experts "
-     "v1/attention/backends/flash_attn.py:FlashAttentionImpl v1/attention/backends/flashinfer.py:FlashInferImpl",
-     "a compiled kernel library: fused norms, mixture of experts, quantized GEMMs, FlashAttention, FlashInfer"),
-    ("Async scheduling", "v1/core/sched/async_scheduler.py:AsyncScheduler", "plans step n+1 while step n runs"),
-    ("Structured output", "v1/structured_output/__init__.py:StructuredOutputManager "
-     "v1/structured_output/backend_xgrammar.py:XgrammarBackend", "JSON-schema and grammar masks on the logits"),
-    ("Speculative decoding", "v1/spec_decode/eagle.py:EagleProposer v1/spec_decode/ngram_proposer.py:NgramProposer "
-     "v1/sample/rejection_sampler.py:RejectionSampler", "draft tokens verified in one forward pass"),
-    ("Multi-node KV connectors", f"{NIXL}connector.py:NixlPushConnector {KV}mooncake/mooncake_connector.py:MooncakeConnector "
-     f"{KV}lmcache_connector.py:LMCacheConnectorV1 {KV}multi_connector.py:MultiConnector",
-     "RDMA/NVLink transfers, a cluster-wide KV store, several connectors at once"),
-    ("Offloading tiers", f"{KV}offloading_connector.py:OffloadingConnector v1/kv_offload/tiering/manager.py "
-     f"{KV}simple_cpu_offload_connector.py:SimpleCPUOffloadConnector", "CPU, disk and remote KV tiers"),
-    ("KV cache events", "distributed/kv_events.py:BlockStored config/kv_events.py:KVEventsConfig",
-     "published block stores and evictions, for KV-aware routers"),
+     "the model's graph compiled once, with fusion passes", r"torch\.compile\b|support_torch_compile"),
+    ("FlashAttention, FlashInfer, fused MoE", "v1/attention/backends/flash_attn.py:FlashAttentionImpl "
+     "v1/attention/backends/flashinfer.py:FlashInferImpl model_executor/layers/fused_moe/fused_moe.py:fused_experts",
+     "attention libraries and fused expert kernels (ours: its own C++ kernels on the CPU, Triton on a GPU)",
+     r"(?i)\bflash_?attn\b|flashinfer|fused_experts|fused_moe"),
+    ("Async scheduling", "v1/core/sched/async_scheduler.py:AsyncScheduler", "plans step n+1 while step n runs",
+     r"AsyncScheduler|async_scheduling"),
+    ("RDMA and cluster-store KV connectors", f"{NIXL}connector.py:NixlPushConnector "
+     f"{KV}mooncake/mooncake_connector.py:MooncakeConnector {KV}lmcache_connector.py:LMCacheConnectorV1 "
+     f"{KV}multi_connector.py:MultiConnector",
+     "RDMA/NVLink transfers, a cluster-wide KV store, several connectors at once (ours: one TCP pull connector)",
+     r"(?i)nixl_?(?:push_?)?connector|mooncake|lmcache|MultiConnector"),
+    ("Disk and remote KV tiers", f"{KV}offloading_connector.py:OffloadingConnector v1/kv_offload/tiering/manager.py",
+     "evicted KV kept on disk or in a remote store too (ours: one CPU tier, cpu_offload_blocks, chapter 03)",
+     r"(?i)disk|OffloadingConnector|kv_offload"),
     ("Hybrid KV cache", "v1/core/kv_cache_coordinator.py:HybridKVCacheCoordinator "
      "v1/core/single_type_kv_cache_manager.py:SlidingWindowManager v1/core/single_type_kv_cache_manager.py:MambaManager",
-     "sliding-window and state-space layers beside full attention"),
-    ("Parallelism", "distributed/parallel_state.py:initialize_model_parallel "
+     "sliding-window and state-space layers beside full attention", r"(?i)sliding_?window|mamba"),
+    ("Tensor, pipeline and expert parallelism", "distributed/parallel_state.py:initialize_model_parallel "
      "model_executor/layers/linear.py:ColumnParallelLinear model_executor/layers/linear.py:RowParallelLinear",
-     "tensor, pipeline, data and expert parallel"),
-    ("Quantization", "model_executor/layers/quantization/fp8.py:Fp8LinearMethod config/cache.py:CacheConfig.cache_dtype",
-     "fp8/int4 weights and an fp8 KV cache"),
+     "one model split over several GPUs (ours: one model per process; replicas behind chapter 07's router)",
+     r"torch\.distributed|tensor_parallel|pipeline_parallel|all_reduce|ParallelLinear"),
+    ("fp8 weights and KV cache", "model_executor/layers/quantization/fp8.py:Fp8LinearMethod "
+     "config/cache.py:CacheConfig.cache_dtype",
+     "8-bit floating-point weights and KV (ours: weight-only int8 and int4; KV in the model's dtype)",
+     r"(?i)float8|\bfp8\b|cache_dtype"),
     ("LoRA", "lora/model_manager.py:LoRAModelManager lora/punica_wrapper/punica_base.py:PunicaWrapperBase",
-     "many adapters in one batch"),
+     "many adapters in one batch", r"\blora_request\b|LoRA[A-Z]\w*|enable_lora|max_loras"),
     ("Multimodal", "multimodal/registry.py:MultiModalRegistry v1/core/encoder_cache_manager.py:EncoderCacheManager",
-     "images, audio and video through encoders"),
-    ("Penalties and logits processors", "v1/sample/sampler.py:Sampler.apply_penalties "
-     "v1/sample/logits_processor/builtin.py:LogitBiasLogitsProcessor", "repetition, frequency and presence penalties"),
-    ("Tool calling and reasoning", "tool_parsers/abstract_tool_parser.py:ToolParser "
-     "reasoning/abs_reasoning_parsers.py:ReasoningParser", "per-model parsers of the output"),
-    ("Sleep mode", "v1/engine/core.py:EngineCore.sleep", "weights and KV memory released, and taken back later"),
+     "images, audio and video through encoders", r"(?i)multi_?modal|pixel_values|image_url|encoder_cache"),
+    ("Tool-call and reasoning parsers", "tool_parsers/abstract_tool_parser.py:ToolParser "
+     "reasoning/abs_reasoning_parsers.py:ReasoningParser",
+     "per-model parsers of the output (ours refuses a request that needs one, as vllm serve without them does)",
+     r"ToolParser|ReasoningParser|tool_call_parser|reasoning_parser"),
+    ("Responses API", "entrypoints/openai/responses/serving.py:OpenAIServingResponses",
+     "POST /v1/responses (ours serves /v1/chat/completions and /v1/completions)", r"/v1/responses|ServingResponses"),
+    ("Beam search", "entrypoints/generate/beam_search/offline.py:BeamSearchOfflineMixin.beam_search",
+     "the k most likely sequences kept at every step", r"(?i)beam"),
+    ("Sleep mode", "v1/engine/core.py:EngineCore.sleep", "weights and KV memory released, and taken back later",
+     r"\bdef\s+sleep\b|\bwake_up\b|sleep_mode"),
 ]]
 
 
@@ -327,6 +353,37 @@ def missing_paths(root: Path | None = None) -> list[str]:
 def missing_ours() -> list[str]:
     """Every cited labsupport path and name this repository lacks."""
     return missing(our_refs(), REPO / "labsupport")
+
+
+def code_only(source: str) -> str:
+    """``source`` with its strings and comments blanked: a docstring that names vLLM's mechanism is not the mechanism."""
+    lines = source.splitlines(keepends=True)
+    blank = {tokenize.STRING, tokenize.COMMENT} | {getattr(tokenize, n) for n in ("FSTRING_MIDDLE",) if hasattr(tokenize, n)}
+    for tok in reversed(list(tokenize.generate_tokens(io.StringIO(source).readline))):
+        if tok.type in blank:
+            (r0, c0), (r1, c1) = tok.start, tok.end
+            if r0 == r1:
+                lines[r0 - 1] = lines[r0 - 1][:c0] + " " * (c1 - c0) + lines[r0 - 1][c1:]
+            else:
+                lines[r0 - 1] = lines[r0 - 1][:c0] + "\n"
+                for r in range(r0, r1 - 1):
+                    lines[r] = "\n"
+                lines[r1 - 1] = " " * c1 + lines[r1 - 1][c1:]
+    return "".join(lines)
+
+
+def present_in_ours(pattern: str, root: Path | None = None) -> list[str]:
+    """``file:line`` of every match of ``pattern`` in the code (not the strings or comments) of ``root``'s .py files,
+    this map aside (it names every mechanism); empty means ours has no such entry point."""
+    root = root or REPO / "labsupport"
+    found = []
+    for file in sorted(root.rglob("*.py")):
+        if file.resolve() == Path(__file__).resolve():
+            continue
+        for number, line in enumerate(code_only(file.read_text(encoding="utf-8")).splitlines(), 1):
+            if re.search(pattern, line):
+                found.append(f"{file.relative_to(root)}:{number}: {line.strip()[:100]}")
+    return found
 
 
 def _cell(value, column: str) -> str:
