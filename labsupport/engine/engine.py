@@ -75,16 +75,18 @@ class LLMEngine:
             self.runtime_options.watch(follow)
 
     @classmethod
-    def from_parts(cls, config: EngineConfig, kv, runner, vocab_size: int, eos_token_ids=(), clock=time.perf_counter):
+    def from_parts(cls, config: EngineConfig, kv, runner, vocab_size: int, eos_token_ids=(), clock=time.perf_counter,
+                   connector=None):
         """An engine around parts made elsewhere, with no model loaded: ``sim/`` steps the real scheduler, KV
         manager and lifecycle with a runner that returns tokens without computing them, on a virtual ``clock``.
-        ``config`` must be resolved (``max_model_len`` set); the engine gives token ids only (no tokenizer)."""
+        ``config`` must be resolved (``max_model_len`` set); the engine gives token ids only (no tokenizer).
+        ``connector``: a KV connector (a simulated one moves no bytes), handed to the scheduler as ``__init__`` does."""
         self = cls.__new__(cls)
         self.device, self.clock = torch.device("cpu"), clock
         self.model = self.tokenizer = self.model_path = self.draft_model = self.quantization_report = None
         self.config = dataclasses.replace(config, detokenize=False)
-        self.kv, self.backend, self.runner, self.connector, self.speculator = kv, None, runner, None, None
-        self.scheduler = Scheduler(self.config, kv, eos_token_ids, clock=clock)
+        self.kv, self.backend, self.runner, self.connector, self.speculator = kv, None, runner, connector, None
+        self.scheduler = Scheduler(self.config, kv, eos_token_ids, connector=connector, clock=clock)
         self.structured_outputs = None
         self._finish_assembly(vocab_size)
         return self

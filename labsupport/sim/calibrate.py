@@ -91,24 +91,29 @@ def cache_path(m: dict):
 
 def calibrate(llm=None, quick: bool = False) -> dict:
     """Time the calibration steps on this machine and fit them: the ``cpu`` profile (not saved)."""
-    from ..engine.config import CPU_KV_CACHE_BYTES
-    from ..machine import machine
-    from .cost_model import fit
     if llm is None:
         from ..llm import LLM
         llm = LLM(device="cpu", dtype="float32")
     began = time.perf_counter()
     records = calibration_runs(llm, quick)
+    profile = profile_from_records(llm, records, "cpu-quick" if quick else "cpu")
+    profile["fit"]["calibration_s"] = time.perf_counter() - began
+    return profile
+
+
+def profile_from_records(llm, records: list[dict], name: str) -> dict:
+    """A profile of ``llm``'s model on this machine, fitted to step records (``recording_steps``): the calibration's,
+    or the steps a chapter already ran. Its KV budget is the engine's own pool."""
+    from ..machine import machine
+    from .cost_model import fit
     model, report = fit(records)
-    cfg = llm.engine.model.config
+    cfg, kv = llm.engine.model.config, llm.engine.kv
     m = machine()
-    return {"name": "cpu-quick" if quick else "cpu", "source": "fitted", "device": "cpu", "machine": m,
-            "date": m["date"][:10],
+    return {"name": name, "source": "fitted", "device": "cpu", "machine": m, "date": m["date"][:10],
             "model": dataclasses.asdict(cfg), "model_name": llm.model_name, "dtype": "float32",
-            "kv_cache_bytes": CPU_KV_CACHE_BYTES,  # the engine's default pool on the CPU
+            "kv_cache_bytes": kv.num_blocks * kv.block_size * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4,
             "eos_token_ids": sorted(llm.engine.scheduler.lifecycle.eos_token_ids),
-            "coefficients": model.to_dict(), "fit": {**report, "calibration_s": time.perf_counter() - began},
-            "records": records,
+            "coefficients": model.to_dict(), "fit": dict(report), "records": records,
             "notes": {"how": "labsupport.sim.calibrate: the default model's real steps on this machine, least "
                              "squares on relative error, coefficients >= 0",
                       "not_modelled": "other processes on the cores (a busy machine's steps are slower and vary)"}}

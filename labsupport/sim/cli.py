@@ -3,6 +3,9 @@
     python -m labsupport bench simulate --profile h100-llama-3.1-8b --num-requests 1000 --rate 20 \\
         --input-len 512 --output-len 128 --max-num-seqs 256 --goodput ttft:500 tpot:50 --usd-per-hour 2.5
     python -m labsupport bench simulate --validate --num-requests 8 --input-len 64 --output-len 16
+    python -m labsupport bench simulate --profile h100-llama-3.1-8b --layout 1P1D --link-gbps 25 \
+        --link-latency-ms 0.05 --num-requests 200 --rate 8 --input-len 128 4096 --output-len 64 256
+    python -m labsupport bench simulate --profile h100-llama-3.1-8b --replicas 2 --policy least_loaded ...
 
 Every figure it prints is labelled "simulated, profile X"; ``--validate`` runs the same workload for real on this
 machine and simulated on the ``cpu`` profile and prints both with the relative error.
@@ -15,6 +18,7 @@ import json
 import math
 
 from ..bench.summary import format_summary, write_report
+from ..pd.routing import POLICIES
 
 
 def add_arguments(p: argparse.ArgumentParser):
@@ -36,6 +40,15 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--validate", action="store_true",
                    help="also run the workload for real on this machine and report the simulation's error")
     p.add_argument("--repeats", type=int, default=2, help="--validate: real runs of the workload (2+: the A/A band)")
+    p.add_argument("--layout", default="colocated",
+                   help="colocated (--replicas engines behind --policy) or xPyD: x prefill and y decode engines "
+                        "(1P1D, 2P1D, 1P2D) behind the PD router, the prompt's KV over a link (sim/pd_cluster.py)")
+    p.add_argument("--replicas", type=int, default=1, help="colocated: how many engines behind the router")
+    p.add_argument("--policy", default="round_robin", choices=POLICIES,
+                   help="colocated replicas: the router's policy (PD: prefill round robin, decode least loaded)")
+    p.add_argument("--link-gbps", type=float, default=math.inf,
+                   help="PD: the link's bandwidth in GB/s (1e9 bytes a second); default: free")
+    p.add_argument("--link-latency-ms", type=float, default=0.0, help="PD: the latency each KV pull pays")
     p.add_argument("--json", metavar="FILE", default=None)
 
 
@@ -60,16 +73,24 @@ def build_workload(tokenizer, args):
 
 
 def format_simulation(s: dict) -> str:
-    lines = [f"--- simulated, profile {s['profile']} ({s['profile_source']}): virtual time, not a measurement",
+    layout = f", {s['layout']} ({s['num_engines']} engines)" if "layout" in s else ""
+    lines = [f"--- simulated, profile {s['profile']} ({s['profile_source']}){layout}: virtual time, not a measurement",
              format_summary(s),
              f"{'engine steps':28s}{s['engine_steps']}",
              f"{'tokens computed':28s}{s['tokens_computed']} ({s['prompt_tokens_computed']} prompt)",
-             f"{'KV blocks peak / total':28s}{s['kv_peak_blocks']} / {s['kv_blocks_total']}",
              f"{'preemptions':28s}{s['num_preemptions']}"]
+    if "kv_peak_blocks" in s:  # one engine; a cluster's are per engine, below
+        lines.insert(-1, f"{'KV blocks peak / total':28s}{s['kv_peak_blocks']} / {s['kv_blocks_total']}")
     if "slo_attainment" in s:
         slo = " ".join(f"{k}:{v:g}" for k, v in s["slo"].items())
         lines.append(f"{'SLO attainment (' + slo + ') ':28s}{s['slo_attainment']:.1%}; goodput "
                      f"{s['request_goodput']:.2f} req/s")
+    for name, e in s.get("engines", {}).items():
+        lines.append(f"{name:28s}KV peak {e['kv_peak_blocks']} / {e['kv_blocks_total']} blocks; "
+                     f"{e['engine_steps']} steps; {e['prompt_tokens_computed']} prompt tokens computed")
+    if "kv_transfer_bytes" in s:
+        lines.append(f"{'KV pulled':28s}{s['kv_transfers']} pulls, {s['kv_transfer_bytes'] / 1e9:.2f} GB; each "
+                     f"P50 {s['p50_transfer_ms']:.2f} ms, P99 {s['p99_transfer_ms']:.2f} ms")
     if "usd_per_million_output_tokens" in s:
         lines.append(f"{'USD per 1M output tokens':28s}{s['usd_per_million_output_tokens']:.3f} "
                      f"(at {s['usd_per_hour']:g} USD/h)")
@@ -87,8 +108,17 @@ def main(args) -> int:
     options = engine_options(args)
     profile = load_profile(args.profile, recalibrate=args.recalibrate)
     workload, clock = build_workload(load_tokenizer(None), args)
-    summary, _, outputs, _ = simulate_run(workload, profile, slo=slo, usd_per_hour=args.usd_per_hour, clock=clock,
-                                          stop_probability=args.stop_probability, seed=args.seed, **options)
+    if args.layout != "colocated" or args.replicas > 1:
+        if clock != "wall" or args.validate:
+            raise ValueError("--layout/--replicas run on virtual seconds (not --clock steps) and without --validate")
+        from .pd_cluster import simulate_pd_run
+        link = {"bandwidth_gbps": args.link_gbps, "latency_ms": args.link_latency_ms}
+        summary = simulate_pd_run(workload, profile, args.layout, args.replicas, slo, args.usd_per_hour,
+                                  policy=args.policy, link=link, stop_probability=args.stop_probability,
+                                  seed=args.seed, **options)[0]
+    else:
+        summary = simulate_run(workload, profile, slo=slo, usd_per_hour=args.usd_per_hour, clock=clock,
+                               stop_probability=args.stop_probability, seed=args.seed, **options)[0]
     print(format_simulation(summary))
     left_out = ("subcommand", "json", "validate", "recalibrate", "repeats")
     result = {"simulated": summary, "workload": {k: v for k, v in vars(args).items() if k not in left_out}}

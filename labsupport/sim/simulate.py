@@ -25,10 +25,12 @@ from .profiles import block_bytes, cost_model, load_profile, model_config
 from .virtual_runner import SimRunner, VirtualClock, bookkeeping_cpu_tier
 
 
-def simulated_engine(profile, stop_probability: float = 0.0, seed: int = 0, **engine_options) -> LLMEngine:
+def simulated_engine(profile, stop_probability: float = 0.0, seed: int = 0, clock: VirtualClock | None = None,
+                     connector=None, **engine_options) -> LLMEngine:
     """An ``LLMEngine`` of the real scheduler, KV manager and lifecycle around a ``SimRunner`` on a virtual clock
-    (``engine.clock``), for the model shape and KV budget of ``profile`` (a name, file or dict). Engine options
-    are ``EngineConfig``'s; ``num_blocks`` wins over the profile's ``kv_cache_bytes``."""
+    (``engine.clock``; ``clock``: one made by the caller), for the model shape and KV budget of ``profile`` (a
+    name, file or dict). Engine options are ``EngineConfig``'s; ``num_blocks`` wins over the profile's
+    ``kv_cache_bytes``. ``connector``: a KV connector for prefill/decode disaggregation (``kv_link.SimConnector``)."""
     profile = load_profile(profile)
     cfg = model_config(profile)
     config = EngineConfig(device="cpu", **engine_options)
@@ -46,10 +48,10 @@ def simulated_engine(profile, stop_probability: float = 0.0, seed: int = 0, **en
     kv = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
                         cpu_tier=tier)
     kv.copy_block = lambda src, dst: None  # copy-on-write moves no bytes here
-    clock = VirtualClock()
+    clock = clock or VirtualClock()
     eos = profile.get("eos_token_ids", [cfg.vocab_size - 1])
     runner = SimRunner(cost_model(profile), clock, eos, stop_probability, seed)
-    engine = LLMEngine.from_parts(config, kv, runner, cfg.vocab_size, eos, clock)
+    engine = LLMEngine.from_parts(config, kv, runner, cfg.vocab_size, eos, clock, connector)
     engine.profile = profile
     return engine
 
