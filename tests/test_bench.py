@@ -121,6 +121,19 @@ def test_vllm_runner_skips_with_a_reason_without_its_venv(llm, tmp_path):
     assert "make vllm-env" in result["skipped"]
 
 
+def test_bench_compare_prints_one_run_ratios_without_a_verdict_word():
+    """Each engine runs each workload once: the table gives ratios and says that no verdict is drawn."""
+    from pathlib import Path
+
+    from labsupport.bench.offline.compare import format_report
+
+    saved = json.loads((Path(__file__).parents[1] / "benchmarks" / "compare-cpu-2026-12-05c.json").read_text())
+    text = format_report(saved)
+    assert f"{saved['ratios']['W0']['labsupport/vllm']:.2f}x" in text
+    assert "one run each: a ratio, no verdict" in text
+    assert not any(w in text for w in ("faster", "slower", "noise", "beyond"))
+
+
 def test_bench_compare_quick_writes_throughputs_ratios_and_roofline(tmp_path):
     out = tmp_path / "compare.json"
     done = subprocess.run([sys.executable, "-m", "labsupport", "bench", "compare", "--quick", "--engines",

@@ -1,8 +1,10 @@
 """Weight-only quantization (chapter 09): the quantized products, their error bounds, the shared weights
 left alone, a quantized engine that still answers, the shipped task set and the bench's report."""
+import copy
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -235,7 +237,7 @@ def test_a_short_run_asks_every_kind_and_saved_rows_are_recounted_by_kind():
 
 
 def test_bench_run_reports_every_method():
-    from labsupport.bench.lab.quant import format_table, parse_method, run
+    from labsupport.bench.lab.quant import format_table, parse_method, reading, run
 
     assert parse_method("int4-g64-sym") == {"name": "int4", "group_size": 64, "symmetric": True,
                                             "include_lm_head": True}
@@ -252,6 +254,10 @@ def test_bench_run_reports_every_method():
     assert fp32["memory_ratio"] == 1 and fp32["quantization"] is None
     assert int4["memory_ratio"] < 0.2 and int4["quantization"]["method"] == "int4"
     assert re.search(r"int4 .* 0\.1\d", format_table(report))
+    # every gap between tokens kept, and fp32 decoded once more after int4: the A/A run its band comes from
+    again = report["decode_again"]
+    assert again["method"] == "fp32" and len(again["decode_gaps_ms"]) == len(fp32["decode_gaps_ms"]) == 2
+    assert "A/A band" in reading(report)
 
 
 def test_saved_run_is_labelled_and_read_from_its_own_figures():
@@ -264,7 +270,40 @@ def test_saved_run_is_labelled_and_read_from_its_own_figures():
     int4, fp32 = saved["methods"]["int4"], saved["methods"]["fp32"]
     assert f"int4 {int4['correct']} ({int4['correct'] - fp32['correct']:+d})" in lines
     assert f"int4 {int4['perplexity']:.2f} ({100 * (int4['perplexity'] / fp32['perplexity'] - 1):+.1f} %)" in lines
-    assert f"int4 {int4['speedup']:.2f}x" in lines
+    assert f"int4 {int4['speedup']:.2f}x (one run each: no verdict)" in lines
+    assert "faster" not in lines and "slower" not in lines and "did not follow" not in lines
+
+
+def _planted(report: dict, gaps: dict[str, float], again: float) -> dict:
+    """A copy of a saved report with per-token gaps planted: each method's around its median ``gaps[spec]`` ms,
+    the same token positions a few percent apart in every run, and fp32's second run around ``again``."""
+    r = copy.deepcopy(report)
+    spread = lambda seed: 1 + np.random.default_rng(seed).uniform(-0.03, 0.03, 63)  # noqa: E731
+    for i, (spec, ms) in enumerate(gaps.items()):
+        r["methods"][spec]["decode_gaps_ms"] = list(ms * spread(i))
+    r["decode_again"] = {"method": "fp32", "decode_tok_s": 1000 / again, "decode_gaps_ms": list(again * spread(9))}
+    return r
+
+
+def test_decode_speed_gets_a_word_only_outside_the_band_of_fp32_decoded_twice():
+    from labsupport.bench.lab.quant import decode_band, decode_verdict, reading
+    from labsupport.data import text
+
+    saved = json.loads(text("quant_cpu.json"))
+    assert decode_band(saved) is None  # saved before runs kept their gaps
+    quiet = _planted(saved, {"fp32": 20.0, "bf16": 33.0, "int8": 20.0, "int4": 12.0}, again=20.0)
+    band = decode_band(quiet)
+    assert 0.95 < band.low <= 1 <= band.high < 1.05
+    words = {k: decode_verdict(quiet, k, band).word for k in ("bf16", "int8", "int4")}
+    assert words == {"bf16": "slower", "int8": "level", "int4": "faster"}
+    lines = reading(quiet)
+    assert "int4 1.67x faster (95 % interval" in lines and "int8 level (" in lines and "A/A band" in lines
+    # int8 reads 4x fewer bytes and ran level with fp32: slower than its bytes beyond the noise
+    assert "Speed did not follow the bytes: " in lines and "int8 read 4.0x fewer bytes" in lines
+    # fp32's repeat came out 1.8x slower: int4's 1.67x is then inside what chance showed
+    loud = _planted(saved, {"fp32": 20.0, "bf16": 33.0, "int8": 20.0, "int4": 12.0}, again=36.0)
+    assert decode_verdict(loud, "bf16", decode_band(loud)).word == "level"
+    assert decode_verdict(loud, "int4", decode_band(loud)).word == "faster"  # a band reaches one way only
 
 
 def test_engine_option_quantizes_its_own_model_only(llm):

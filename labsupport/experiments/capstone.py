@@ -17,11 +17,12 @@ long worked answers: the time to the whole answer, P50). The decision table says
 which techniques pay, which cost, and which do nothing measurable; the full table keeps throughput, TTFT,
 TPOT and tails side by side, because they pull against each other.
 
-Every cell is one run, so a difference is called only beyond the run's own noise (``noise``): ``all`` is
-measured twice, first and last (``all (again)``), and where the prefix cache had nothing to reuse,
-``all - prefix caching`` does the same work as ``all`` too. The largest ratio between two measurements of the
-same work, on any traffic, is the threshold (never under ``FLOOR``). Ours against transformers and vLLM is
-``all`` against each, one run each, read with the same threshold.
+Every cell is one run, and every cell keeps each request's figures (``per_request``: the same requests, in the same
+order, in every column), so the decision follows ``labsupport.measure``: ``all`` is measured twice, first and last
+(``all (again)``), and that pair, request by request, gives each traffic's A/A band (``bands``); a technique
+"pays" or "costs", and ours is "ahead" of or "behind" transformers and vLLM, only where the bootstrap interval of
+the ratio, paired by request, lies outside that band, else "level". A run saved without per-request figures
+(an older run) or without ``all (again)`` gets ratios only, one run each, and no verdict.
 
     python -m labsupport bench capstone --json labsupport/data/capstone_cpu.json --plot benchmarks/capstone.png
 
@@ -37,7 +38,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
-from ..bench.offline.compare import DRIFT
+from ..measure import Band, noise_band, verdict
 
 TECHNIQUES = {  # name -> the serve flags that turn it OFF (from ``all``)
     "continuous batching": ("scheduling_policy", "static"),
@@ -49,7 +50,11 @@ TECHNIQUES = {  # name -> the serve flags that turn it OFF (from ``all``)
 ALL = dict(scheduling_policy="continuous", enable_prefix_caching=True, enable_chunked_prefill=True,
            speculative=True, quantization="int8")
 AGAIN = "all (again)"  # ``all`` once more, after every other server: how far two runs of the same work differ
-FLOOR = DRIFT  # never call a difference under it, however quiet the run's own repeat was
+# A headline is one figure per run; the verdict reads the per-request figure behind it: (sample, statistic,
+# whether higher is better). Capacity (output tokens/s) is judged on each request's time per output token, send
+# to last token, which the batch's throughput sets.
+SAMPLES = {"output_tok_s": ("ms_per_token", "mean", False), "slo_attainment": ("slo_met", "mean", True),
+           "e2el_p50_ms": ("e2el_ms", "median", False), "tpot_p50_ms": ("tpot_ms", "median", False)}
 
 
 @dataclass(frozen=True)
@@ -186,7 +191,7 @@ def measure_column(col: dict, loads: list, s: Sizes, folder: str, kv_bytes_per_t
             "model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}).raise_for_status()
         for t, requests in loads:
             out["traffic"][t.name] = load_run(url, url, model, requests, t.rate, t.burstiness, t, usd_per_hour,
-                                              seed=1, ignore_eos=col["kind"] != "transformers")
+                                              seed=1, ignore_eos=col["kind"] != "transformers", per_request=True)
             if progress is not None:
                 progress.update(1)
     finally:
@@ -207,48 +212,93 @@ def _cells(result: dict):
     return lambda col, traffic: cols.get(col, {}).get("traffic", {}).get(traffic, {})
 
 
-def noise(result: dict) -> dict:
-    """How far two measurements of the same work differ in this run: ``all`` against ``all (again)`` on every
-    traffic, and ``all`` against ``all - prefix caching`` where the prefix cache had nothing to reuse (hit rate 0:
-    the same steps). ``largest``: the biggest ratio either way (1.0 when no pair was measured); ``threshold``: the
-    ratio a difference must exceed to be called, ``max(largest, 1 + floor)``."""
-    cell, pairs = _cells(result), []
+def samples(x: dict, metric: str) -> list[float | None] | None:
+    """The per-request figure behind a cell's headline (``SAMPLES``), in request order; None for a cell saved
+    without per-request figures."""
+    pr = x.get("per_request")
+    if not pr or metric not in SAMPLES:
+        return None
+    name = SAMPLES[metric][0]
+    if name == "ms_per_token":
+        return [e / n if e is not None and n else None for e, n in zip(pr["e2el_ms"], pr["output_tokens"])]
+    return pr[name]
+
+
+def _paired(a: list, b: list) -> tuple[list[float], list[float]]:
+    """Request i of one column against request i of the other, dropping pairs where either failed."""
+    keep = [(x, y) for x, y in zip(a, b) if x is not None and y is not None and x == x and y == y]
+    return [x for x, _ in keep], [y for _, y in keep]
+
+
+def _band(result: dict, traffic: dict, seed: int = 0) -> tuple[Band | None, str]:
+    """This traffic's A/A band (``all`` against ``all (again)``, paired by request), or None and why not."""
+    cell, metric = _cells(result), traffic["headline"]
+    first, again = samples(cell("all", traffic["name"]), metric), samples(cell(AGAIN, traffic["name"]), metric)
+    if not cell(AGAIN, traffic["name"]):
+        return None, "no all (again) column"
+    if first is None or again is None:
+        return None, "no per-request figures"
+    a, b = _paired(first, again)
+    if len(a) < 2:
+        return None, "fewer than 2 requests answered in both runs"
+    try:
+        return noise_band(a, b, SAMPLES[metric][1], seed=seed, paired=True), ""
+    except ValueError as exc:  # e.g. a mean of 0 in some resamples: every request missed its SLO
+        return None, str(exc).split(":")[0]
+
+
+def bands(result: dict) -> list[dict]:
+    """Per traffic: the sample and statistic its verdicts read, and its A/A band (as numbers) or why there is
+    none. A traffic without a band gets ratios, one run each, and no verdict."""
+    out = []
     for t in result["traffics"]:
-        name, metric = t["name"], t["headline"]
-        candidates = [(AGAIN, "all measured again")]
-        if cell("all", name).get("prefix_cache_hit_rate") == 0:
-            candidates.append(("all - prefix caching", "prefix cache idle: the same work"))
-        for other, why in candidates:
-            x = _better(metric, cell("all", name).get(metric), cell(other, name).get(metric))
-            if x == x:
-                pairs.append({"traffic": name, "against": other, "why": why, "x": x})
-    largest = max((max(p["x"], 1 / p["x"]) for p in pairs), default=1.0)
-    floor = result.get("floor", FLOOR)
-    return {"pairs": pairs, "largest": largest, "floor": floor, "threshold": max(largest, 1 + floor)}
+        band, why = _band(result, t)
+        sample, stat, _ = SAMPLES.get(t["headline"], (None, None, None))
+        out.append({"traffic": t["name"], "sample": sample, "stat": stat, "why_none": why,
+                    "band": None if band is None else {"low": band.low, "high": band.high, "n": band.n}})
+    return out
 
 
-def _verdict(x: float, threshold: float, better: str, worse: str) -> str:
-    return "?" if x != x else better if x > threshold else worse if x < 1 / threshold else "~"
+def _judge(result: dict, traffic: dict, on: str, off: str, words: tuple[str, str], band: Band | None,
+           seed: int = 0) -> dict:
+    """``on`` against ``off`` on the traffic's headline: the headline ratio ``x`` (> 1: ``on`` better) and, where
+    the traffic has an A/A band (``band``) and both cells their per-request figures, the verdict: ``words[0]``
+    ("pays") when the interval of the per-request ratio lies beyond the band on the better side, ``words[1]`` on
+    the worse, "level" within; ``verdict`` None (one run each, no verdict) otherwise."""
+    cell, name, metric = _cells(result), traffic["name"], traffic["headline"]
+    out = {"x": _better(metric, cell(on, name).get(metric), cell(off, name).get(metric)), "verdict": None}
+    a, b = samples(cell(off, name), metric), samples(cell(on, name), metric)
+    if band is None or a is None or b is None:
+        return out
+    a, b = _paired(a, b)
+    _, stat, higher_is_better = SAMPLES[metric]
+    better, worse = words
+    try:
+        v = verdict(a, b, band, higher=better if higher_is_better else worse,
+                    lower=worse if higher_is_better else better, higher_is_better=higher_is_better, stat=stat,
+                    seed=seed, paired=True)
+    except ValueError:  # too few answered pairs, or a statistic of 0 to divide by: no interval, no word
+        return out
+    return out | {"verdict": v.word, "interval": v.as_dict(), "phrase": v.describe()}
 
 
 def decision(result: dict) -> list[dict]:
     """Per traffic: what each technique does to its headline (``all`` vs ``all - X``), and ``all`` against
-    transformers and vLLM; a verdict only beyond the run's noise (``noise``)."""
-    cell, threshold = _cells(result), noise(result)["threshold"]
+    transformers and vLLM; a verdict word only from the discipline (``_judge``), else the ratio alone."""
+    cell = _cells(result)
     rows = []
     for t in result["traffics"]:
         name, metric = t["name"], t["headline"]
         row = {"traffic": name, "headline": metric, "all": cell("all", name).get(metric), "techniques": {}}
+        band, _ = _band(result, t)
         for tech in TECHNIQUES:
-            x = _better(metric, cell("all", name).get(metric), cell(f"all - {tech}", name).get(metric))
-            verdict = _verdict(x, threshold, "pays", "costs")
+            judged = _judge(result, t, "all", f"all - {tech}", ("pays", "costs"), band)
             if tech == "prefix caching" and cell("all", name).get("prefix_cache_hit_rate") == 0:
-                verdict = "idle"  # nothing shared: whatever moved is noise, not the cache
-            row["techniques"][tech] = {"x": x, "verdict": verdict}
+                judged = {"x": judged["x"], "verdict": "idle"}  # nothing shared: whatever moved is not the cache
+            row["techniques"][tech] = judged
         for other in ("transformers serve", "vllm serve"):
             key = other.split()[0]
-            x = _better(metric, cell("all", name).get(metric), cell(other, name).get(metric))
-            row[f"ours_vs_{key}"] = {"x": x, "verdict": _verdict(x, threshold, "ahead", "behind")}
+            row[f"ours_vs_{key}"] = _judge(result, t, "all", other, ("ahead", "behind"), band)
             row[f"usd_per_mtok_{key}"] = cell(other, name).get("usd_per_mtok")
         row["usd_per_mtok_all"] = cell("all", name).get("usd_per_mtok")
         rows.append(row)
@@ -287,7 +337,7 @@ def run(sizes: Sizes = Sizes(), scale: float = 1.0, which: tuple | None = None, 
     bar.close()
     result = {"date": time.strftime("%Y-%m-%d"), "machine": {**machine(), "other_runnable_threads_at_start": busy},
               "model": os.path.basename(folder), "usd_per_hour": usd_per_hour, "sizes": asdict(sizes), "scale": scale,
-              "floor": FLOOR, "traffics": [asdict(t) | {"requests": len(r), "output_tokens": sum(q.output_len
+              "traffics": [asdict(t) | {"requests": len(r), "output_tokens": sum(q.output_len
                                                                                                      for q in r),
                                                             "prompt_tokens_mean": sum(q.prompt_len for q in r) / len(r)}
                                                for t, r in loads],
@@ -296,8 +346,10 @@ def run(sizes: Sizes = Sizes(), scale: float = 1.0, which: tuple | None = None, 
 
 
 def read(result: dict) -> dict:
-    """A run with its noise and decision (re)computed from the measurements, whatever rule it was saved with."""
-    return {**result, "noise": noise(result), "decision": decision(result)}
+    """A run with its bands and decision (re)computed from the measurements, whatever rule it was saved with (the
+    bootstrap is seeded: the same file reads the same every time)."""
+    return {**{k: v for k, v in result.items() if k not in ("noise", "floor")}, "bands": bands(result),
+            "decision": decision(result)}
 
 
 def load(path=None) -> dict:

@@ -226,9 +226,10 @@ def ttft_tail_of(ttfts_ms: list[float]) -> tuple[str, float]:
 
 
 def load_run(url: str, metrics_url: str, model: str, requests, rate: float, burstiness: float, s: Sizes,
-             usd_per_hour: float, seed: int, ignore_eos: bool = True) -> dict:
+             usd_per_hour: float, seed: int, ignore_eos: bool = True, per_request: bool = False) -> dict:
     """One ``bench serve`` run, cut down to what the table shows (tails by the 100-sample rule).
-    ``s`` needs only ``ttft_ms`` and ``tpot_ms`` (the SLO)."""
+    ``s`` needs only ``ttft_ms`` and ``tpot_ms`` (the SLO). ``per_request``: keep each request's figures too, in
+    request order (``per_request_samples``), the samples a verdict between two runs of the same requests needs."""
     from ..bench.serving.serve_metrics import server_metrics_delta
     before = _metrics(metrics_url)
     r = benchmark(url, model, requests, rate=rate, burstiness=burstiness, seed=seed, progress=False,
@@ -247,7 +248,18 @@ def load_run(url: str, metrics_url: str, model: str, requests, rate: float, burs
             "tpot_p50_ms": x["median_tpot_ms"], "tpot_p90_ms": x["p90_tpot_ms"],
             "e2el_p50_ms": x["median_e2el_ms"], "mean_queue_time_ms": server.get("mean_queue_time_ms"),
             "prefix_cache_hit_rate": server.get("prefix_cache_hit_rate", 0.0) if server else None,
-            "errors": x["first_errors"]}
+            "errors": x["first_errors"]} | ({"per_request": per_request_samples(r.requests, s)} if per_request else {})
+
+
+def per_request_samples(results, s) -> dict:
+    """Each request's TTFT, TPOT and end-to-end latency (ms), its output tokens and whether it met the SLO (1/0),
+    in request order; a failed request's times are None (the reader drops its pair)."""
+    def ms(ok, v):
+        return round(1000 * v, 3) if ok else None
+    return {"ttft_ms": [ms(q.success, q.ttft) for q in results], "tpot_ms": [ms(q.success, q.tpot) for q in results],
+            "e2el_ms": [ms(q.success, q.latency) for q in results],
+            "output_tokens": [q.output_tokens for q in results],
+            "slo_met": [int(q.success and 1000 * q.ttft <= s.ttft_ms and 1000 * q.tpot <= s.tpot_ms) for q in results]}
 
 
 def measure_row(row: Row, s: Sizes, loads: dict, usd_per_hour: float, folder: str) -> dict:

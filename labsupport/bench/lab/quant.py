@@ -4,7 +4,9 @@ For each method (``fp32``, ``bf16``, ``int8``, ``int4``) one engine is built and
 
 * weights: the bytes a decode step reads (every matrix incl. ``lm_head``, not the embedding table, of
   which a step looks up one row), and the bytes the model's modules hold;
-* speed: decode tokens/s of our engine, one sequence (the memory-bound case quantization is for);
+* speed: decode tokens/s of our engine, one sequence (the memory-bound case quantization is for), with the time
+  between consecutive tokens kept as samples; the first method decodes once more after all the others (its
+  A/A run), so ``reading`` can call a method faster or slower only beyond that band (``labsupport.measure``);
 * quality on real tasks: exact-match accuracy on ``labsupport/data/quant_tasks.json`` (greedy), because
   a model can keep its perplexity and still lose the answers that matter;
 * perplexity on a fixed text (the first tokens of ``northwind_handbook.txt``).
@@ -28,6 +30,7 @@ from tqdm.auto import tqdm
 from ...data import text
 from ...engine.request import SamplingParams
 from ...engine.runner import sequence_logits
+from ...measure import Band, Verdict, noise_band, one_run_each, verdict
 from ...models.quantize import quantize_model
 from ..summary import write_report
 
@@ -92,14 +95,17 @@ def weight_bytes(model: torch.nn.Module) -> dict:
     return {"read_per_step": total(per_step), "held": total([*model.parameters(), *model.buffers()])}
 
 
-def decode_speed(llm, tokens: int, batch: int = 1) -> float:
-    """Decode tokens/s: ``batch`` sequences generating ``tokens`` each, timed from the first token to the last."""
+def decode_speed(llm, tokens: int, batch: int = 1) -> tuple[float, list[float]]:
+    """Decode tokens/s (``batch`` sequences generating ``tokens`` each, timed from the first token to the last)
+    and every sequence's gaps between consecutive tokens in ms, sequence by sequence: with ``ignore_eos`` two
+    runs give the same count, gap i of one the same position as gap i of the other (the samples pair up)."""
     llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm up
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     outs = llm.generate(["Write a short story about a lighthouse keeper."] * batch, params, use_tqdm=False)
     start = min(o.metrics.first_token_time for o in outs)
     end = max(o.metrics.finished_time for o in outs)
-    return sum(len(o.token_ids) - 1 for o in outs) / max(end - start, 1e-9)
+    gaps = [round(1000 * g, 3) for o in outs for g in o.metrics.itl]
+    return sum(len(o.token_ids) - 1 for o in outs) / max(end - start, 1e-9), gaps
 
 
 def select_tasks(tasks: dict, limit: int | None = None) -> list[int]:
@@ -191,8 +197,9 @@ def run(methods=DEFAULT_METHODS, tokens: int = 64, questions: int | None = None,
     """Measure every method in ``methods``; return ``{"methods": {spec: row}, "settings": {...}}``.
 
     Each row: ``bytes_read_per_step``, ``bytes_held``, ``decode_tok_s``, ``accuracy`` (+ per category and
-    the answers), ``perplexity``, ``quantization`` (the report of ``quantize_model``, or None), and the
-    ratios to the first method (fp32 when it is listed first): ``memory_ratio``, ``speedup``.
+    the answers), ``perplexity``, ``quantization`` (the report of ``quantize_model``, or None), ``decode_gaps_ms``
+    (the samples behind ``decode_tok_s``), and the ratios to the first method (fp32 when it is listed first):
+    ``memory_ratio``, ``speedup``. ``decode_again``: the first method decoded once more after all the others.
     ``threads``: torch threads for the run (restored after); 1 keeps a shared 2-core machine's timings sane."""
     previous_threads = torch.get_num_threads()
     if threads:
@@ -212,16 +219,18 @@ def _measure(methods, tokens, questions, ppl_tokens, batch, model, progress) -> 
     tasks = load_tasks()
     ppl_tokens = ppl_tokens or tasks["perplexity_tokens"]
     busy = warn_if_busy()
-    rows = {}
+    rows, again = {}, None
     stages = ("load", "decode", "tasks", "perplexity")
-    with tqdm(total=len(methods) * len(stages), desc="Quantization bench", unit="step", disable=not progress) as bar:
+    with tqdm(total=len(methods) * len(stages) + 1, desc="Quantization bench", unit="step",
+              disable=not progress) as bar:
+        first = None  # the first method's engine stays up to decode once more after the others: its A/A run
         for spec in methods:
             bar.set_postfix_str(f"{spec}: load")
             llm, quant = build_llm(spec, model)
             bar.update()
             row = {"quantization": quant, **{f"bytes_{k}": v for k, v in weight_bytes(llm.engine.model).items()}}
             bar.set_postfix_str(f"{spec}: decode")
-            row["decode_tok_s"] = decode_speed(llm, tokens, batch)
+            row["decode_tok_s"], row["decode_gaps_ms"] = decode_speed(llm, tokens, batch)
             bar.update()
             bar.set_postfix_str(f"{spec}: tasks")
             row.update(task_accuracy(llm, tasks, questions))
@@ -229,14 +238,22 @@ def _measure(methods, tokens, questions, ppl_tokens, batch, model, progress) -> 
             bar.set_postfix_str(f"{spec}: perplexity")
             row["perplexity"] = perplexity(llm, ppl_tokens)
             bar.update()
-            llm.shutdown()
+            if first is None:
+                first = llm
+            else:
+                llm.shutdown()
             rows[spec] = row
+        bar.set_postfix_str(f"{methods[0]}: decode again")
+        tok_s, gaps = decode_speed(first, tokens, batch)
+        again = {"method": methods[0], "decode_tok_s": tok_s, "decode_gaps_ms": gaps}
+        first.shutdown()
+        bar.update()
     base = rows[methods[0]]
     for row in rows.values():
         row["memory_ratio"] = row["bytes_read_per_step"] / base["bytes_read_per_step"]
         row["speedup"] = row["decode_tok_s"] / base["decode_tok_s"]
     from ...machine import machine
-    return {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "methods": rows,
+    return {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "methods": rows, "decode_again": again,
             "settings": {"tokens": tokens, "batch": batch, "questions": len(base["answers"]),
                          "ppl_tokens": ppl_tokens, "threads": torch.get_num_threads(),
                          "other_runnable_threads": busy}}
@@ -261,24 +278,60 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+GAP_STAT = "median"  # one sequence decodes one token a step: the median gap is its typical step
+
+
+def decode_band(report: dict, seed: int = 0) -> Band | None:
+    """The A/A band of decode speed: the first method's gaps between tokens against its own second run (paired by
+    position); None for a report saved without per-token gaps (an older run)."""
+    first = next(iter(report["methods"].values()))
+    again = report.get("decode_again")
+    if not again or len(first.get("decode_gaps_ms") or []) < 2 or len(again["decode_gaps_ms"]) < 2:
+        return None
+    return noise_band(first["decode_gaps_ms"], again["decode_gaps_ms"], GAP_STAT, seed=seed, paired=True)
+
+
+def decode_verdict(report: dict, spec: str, band: Band, seed: int = 0) -> Verdict:
+    """``spec``'s gaps between tokens against the first method's, read against ``band``: "faster" when the whole
+    interval of the ratio of median gaps lies below it."""
+    first = next(iter(report["methods"].values()))
+    return verdict(first["decode_gaps_ms"], report["methods"][spec]["decode_gaps_ms"], band, higher="slower",
+                   lower="faster", higher_is_better=False, stat=GAP_STAT, seed=seed, paired=True)
+
+
 def reading(report: dict) -> str:
-    """The table in sentences, every figure from ``report``; ratios are to the first method (Markdown bullets)."""
-    from ..offline.compare import DRIFT, beyond_drift
+    """The table in sentences, every figure from ``report``; ratios are to the first method (Markdown bullets).
+    Decode speed gets a verdict word only through ``decode_band``/``decode_verdict``; a report without per-token
+    gaps gets ratios, one run each, and says so."""
     rows = report["methods"]
     first, base = next(iter(rows.items()))
     others = {k: r for k, r in rows.items() if k != first}
     mb = lambda r: f"{r['bytes_read_per_step'] / 2**20:.0f} MB"  # noqa: E731
     lines = [f"* **Bytes read per decode step**: {first} {mb(base)}; "
              + ", ".join(f"{k} {mb(r)} ({r['memory_ratio']:.2f}x)" for k, r in others.items()) + "."]
-    word = {1: "faster", -1: "slower", 0: "within noise"}
-    speed = ", ".join(f"{k} {r['speedup']:.2f}x ({word[beyond_drift(r['speedup'])]})" for k, r in others.items())
-    lines.append(f"* **Decode tokens/s** against {first}'s {base['decode_tok_s']:.1f} "
-                 f"({report['settings']['batch']} sequence, one run each; ±{100 * DRIFT:.0f} % is noise): {speed}.")
-    lagging = [k for k, r in others.items() if r["speedup"] * (1 + DRIFT) < 1 / r["memory_ratio"]]
-    if lagging:
-        lines.append("* Speed did not follow the bytes: " + ", ".join(
-            f"{k} read {1 / others[k]['memory_ratio']:.1f}x fewer bytes and ran {others[k]['speedup']:.2f}x"
-            for k in lagging) + " — a step's time here is not its weight bytes alone.")
+    band = decode_band(report)
+    per = f"{report['settings']['batch']} sequence"
+    if band is None:
+        speed = ", ".join(f"{k} {one_run_each(r['decode_tok_s'], base['decode_tok_s'])}" for k, r in others.items())
+        lines.append(f"* **Decode tokens/s** against {first}'s {base['decode_tok_s']:.1f} ({per}; this run kept no "
+                     f"per-token times and no second {first} run, so no A/A band): {speed}.")
+        lines.append("* **Bytes against speed**, one run each (no verdict): " + ", ".join(
+            f"{k} read {1 / r['memory_ratio']:.1f}x fewer bytes and ran {r['speedup']:.2f}x {first}'s tokens/s"
+            for k, r in others.items()) + ".")
+    else:
+        verdicts = {k: decode_verdict(report, k, band) for k in others}
+        again = report["decode_again"]
+        lines.append(f"* **Decode speed** against {first} ({per}, {base['decode_tok_s']:.1f} tokens/s; decoded again "
+                     f"after the others at {again['decode_tok_s']:.1f}: the {band} of the median time between "
+                     f"tokens): " + "; ".join(f"{k} {v}" for k, v in verdicts.items()) + ".")
+        # slower than the bytes predict, beyond the noise: the interval of the gap ratio lies above what the
+        # byte ratio alone would give (memory_ratio) times the band's top
+        lagging = [k for k, v in verdicts.items() if v.interval.low > band.high * others[k]["memory_ratio"]]
+        if lagging:
+            lines.append("* Speed did not follow the bytes: " + ", ".join(
+                f"{k} read {1 / others[k]['memory_ratio']:.1f}x fewer bytes but ran at most "
+                f"{1 / verdicts[k].interval.low:.2f}x {first}'s speed (its interval's fast end)" for k in lagging)
+                + " — a step's time here is not its weight bytes alone.")
     tasks = load_tasks()
     counts = {k: group_counts(r, tasks) for k, r in rows.items()}
     kinds = []

@@ -14,8 +14,10 @@ batch size, where spare compute per step runs out and guesses stop being free. G
 give exactly the plain tokens: the report says whether they did.
 
 Plain decoding runs twice in every group, before and after the guessing runs (``repeat`` rows): the same
-work measured twice, whose ratio is the run's own noise (``noise``). ``reading`` calls a speed-up a
-difference only beyond it, and never under the course's ±15 %.
+work measured twice. Every row keeps the time between consecutive tokens of each request (``gaps_ms``), so
+``reading`` follows ``labsupport.measure``: the two plain runs give the group's A/A band (``band``), and a
+speed-up is called faster or slower only where the bootstrap interval of its mean time between tokens lies
+outside that band. A report saved without ``gaps_ms`` (an older run) gets ratios, one run each, no verdict.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import time
 
 from tqdm.auto import tqdm
 
+from ...measure import CONFIDENCE, Band, Verdict, noise_band, one_run_each, verdict
 from ...data import text
 from ..summary import write_report
 
@@ -80,8 +83,12 @@ def measure(llm, prompts, temperature: float, max_tokens: int, seed: int = 0, on
     seconds = time.perf_counter() - start
     after = llm.stats()
     tokens = sum(len(o.token_ids) for o in outs)
+    # every request's gaps between consecutive tokens, in request order: the samples a verdict needs (the
+    # tokens one verify step accepts arrive together, gap 0, so the *mean* gap is what guessing changes)
+    gaps = [round(1000 * g, 3) for o in outs for g in o.metrics.itl]
     row = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
-           "steps": after["num_steps"] - before["num_steps"], "token_ids": [o.token_ids for o in outs]}
+           "steps": after["num_steps"] - before["num_steps"], "token_ids": [o.token_ids for o in outs],
+           "gaps_ms": gaps}
     if "spec_decode_num_drafts" in after:
         drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
         guessed = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
@@ -130,13 +137,37 @@ def run(ks=(0, 2, 4, 8), temperatures=(0.0, 1.0), batch_sizes=(4, 16), max_token
             "max_tokens": max_tokens, "rows": rows}
 
 
-def noise(report: dict) -> dict:
-    """How far plain decoding of the same prompts differed from itself (``repeat`` rows); ``threshold``: the
-    ratio a speed-up must exceed to be called a difference, ``max(largest, 1 + DRIFT)``."""
-    from ..offline.compare import DRIFT
-    pairs = [r["speedup"] for r in report["rows"] if r.get("repeat")]
-    largest = max((max(x, 1 / x) for x in pairs), default=1.0)
-    return {"repeats": len(pairs), "largest": largest, "threshold": max(largest, 1 + DRIFT)}
+GAP_STAT = "mean"  # mean time between tokens is 1 / decode tokens/s; a median would read the accepted tokens' 0s
+
+
+def _plain(report: dict, row: dict, repeat: bool) -> dict | None:
+    """Plain decoding of the same prompts the same way as ``row`` (its group): the first run or the repeat."""
+    return next((b for b in report["rows"] if b["k"] == 0 and bool(b.get("repeat")) == repeat
+                 and all(b[key] == row[key] for key in GROUP)), None)
+
+
+def _gaps(row: dict | None) -> list[float] | None:
+    gaps = (row or {}).get("gaps_ms")
+    return gaps if gaps is not None and len(gaps) >= 2 else None
+
+
+def band(report: dict, row: dict, seed: int = 0) -> Band | None:
+    """The A/A band of ``row``'s group: plain decoding against its own repeat (mean time between tokens); None
+    when the group has no repeat or the report kept no per-token gaps."""
+    first, again = _gaps(_plain(report, row, False)), _gaps(_plain(report, row, True))
+    if first is None or again is None:
+        return None
+    return noise_band(first, again, GAP_STAT, seed=seed)
+
+
+def speed(report: dict, row: dict, seed: int = 0) -> Verdict | None:
+    """``row``'s mean time between tokens against plain decoding's, read against the group's A/A band ("faster":
+    the whole interval below it); None without the samples, where only the one-run ratio can be given."""
+    b, base = band(report, row, seed), _gaps(_plain(report, row, False))
+    if b is None or _gaps(row) is None:
+        return None
+    return verdict(base, row["gaps_ms"], b, higher="slower", lower="faster", level="level",
+                           higher_is_better=False, stat=GAP_STAT, seed=seed)
 
 
 def format_report(report: dict) -> str:
@@ -176,25 +207,20 @@ def main(args) -> int:
     return 0 if all(r["same_tokens"] is not False for r in report["rows"]) else 1
 
 
-def _speed(x: float, threshold: float) -> str:
-    word = "faster" if x > threshold else "slower" if x < 1 / threshold else "no difference beyond noise"
-    return f"{x:.2f}x plain decoding's tokens/s: {word}"
-
-
 def reading(report: dict) -> str:
-    """The sweep in sentences, every figure from ``report`` (Markdown bullets, one run each)."""
-    from ..offline.compare import DRIFT
+    """The sweep in sentences, every figure from ``report`` (Markdown bullets). A speed-up gets a verdict word only
+    from ``speed`` (interval against the group's A/A band); a report without per-token gaps gets ratios only."""
     rows = [r for r in report["rows"] if r["k"] > 0]
     one = [r for r in rows if r["sweep"] == "k"]
-    n = noise(report)
-    threshold = n["threshold"]
 
     def step_cost(r) -> str:  # mean engine step time against plain decoding's, same prompts and temperature
-        base = next(b for b in report["rows"] if b["k"] == 0 and not b.get("repeat")
-                    and all(b[key] == r[key] for key in GROUP))
+        base = _plain(report, r, False)
         x = math.nan if not (r["steps"] and base["steps"]) else \
             (r["seconds"] / r["steps"]) / (base["seconds"] / base["steps"])
-        return f"an engine step took {x:.2f}x a plain one; {_speed(r['speedup'], threshold)}"
+        v = speed(report, r)
+        said = (f"mean time between tokens against plain decoding's: {v}" if v is not None else
+                f"tokens/s against plain decoding's: {one_run_each(r['tok_s'], base['tok_s'])}")
+        return f"an engine step took {x:.2f}x a plain one; {said}"
 
     lines = []
     for r in one:
@@ -218,10 +244,23 @@ def reading(report: dict) -> str:
                      f"{r['acceptance_length']:.2f} tokens per verified step; {step_cost(r)}.")
     greedy = [r for r in report["rows"] if r["temperature"] == 0 and r["k"] > 0]
     same = sum(bool(r["same_tokens"]) for r in greedy)
+    repeats = [r for r in report["rows"] if r.get("repeat")]
+    measured = [r for r in repeats if band(report, r) is not None]
+    if measured:
+        bands = "; ".join(f"{r['workload']}, {_group_name(r)}: {b}" for r in measured for b in [band(report, r)])
+        rule = (f"plain decoding measured twice in each of {len(measured)} groups gives that group's A/A band of the "
+                f"mean time between tokens ({bands}); a speed-up is called faster or slower only where its whole "
+                f"{100 * CONFIDENCE:.0f} % interval lies outside that band, else level")
+    else:
+        again = "; ".join(f"{r['workload']}, {_group_name(r)} {one_run_each(r['tok_s'], p['tok_s'])}"
+                          for r in repeats for p in [_plain(report, r, False)] if p)
+        rule = ("this report kept no per-token times, so every figure is one run against one: ratios, no verdict"
+                + (f" (plain decoding against its own repeat: {again})" if again else ""))
     lines.append(f"* Greedy output equal to plain decoding in {same} of {len(greedy)} greedy rows. "
-                 f"{report['max_tokens']} tokens per request, one run each; "
-                 + (f"plain decoding measured twice in {n['repeats']} groups differed by up to {n['largest']:.2f}x, "
-                    if n["repeats"] else "no repeated run, ") +
-                 f"so a speed-up is called only beyond {threshold:.2f}x (never under {1 + DRIFT:.2f}x: "
-                 f"±{100 * DRIFT:.0f} % is taken as these machines' drift).")
+                 f"{report['max_tokens']} tokens per request; {rule}.")
     return "\n".join(lines)
+
+
+def _group_name(r: dict) -> str:
+    temp = "greedy" if r["temperature"] == 0 else f"temperature {r['temperature']:g}"
+    return f"{temp}, {r['batch']} user{'s' if r['batch'] > 1 else ''}"
