@@ -202,8 +202,6 @@ def what_it_bought(chapter: str | int, path=None) -> str:
     return text
 
 
-NOISE = 0.15  # these shared machines drift by about this much from run to run: a smaller change is not one
-
 # (run, key, label, unit, format): what what_moved compares, in the table's order
 _MOVES = [("capacity", "output_tok_s", "output", "tok/s", ".1f"), ("capacity", "usd_per_mtok", "cost", "$/Mtok", ".2f"),
           ("bursty", "goodput_req_s", "goodput", "req/s", ".2f"), ("bursty", "slo_attainment", "SLO met", "%", ".0f"),
@@ -212,9 +210,11 @@ _MOVES = [("capacity", "output_tok_s", "output", "tok/s", ".1f"), ("capacity", "
           ("poisson", "slo_attainment", "SLO met under Poisson arrivals", "%", ".0f")]
 
 
-def what_moved(chapter: str | int, path=None, noise: float = NOISE) -> str:
-    """One markdown sentence from the saved run: this chapter's row against the row before it, metric by metric,
-    a change called a change only beyond ``noise`` (a fraction), so the words can never outrun the numbers."""
+def what_moved(chapter: str | int, path=None) -> str:
+    """One markdown sentence from the saved run: this chapter's row against the row before it, metric by metric, as
+    figures and their ratio. Each row is one run, so no ratio carries a verdict word (``labsupport.measure``: a
+    word needs an interval and an A/A band, which repeated rounds of the table would give); an unchanged figure
+    is said to be the same."""
     t, chapter = load(path), f"{int(chapter):02d}"
     by = {r["chapter"]: r for r in t["rows"] if "capacity" in r}
     earlier = [c for c in by if c < chapter]
@@ -233,14 +233,12 @@ def what_moved(chapter: str | int, path=None, noise: float = NOISE) -> str:
         text = (f"{label} ${a_} → ${b_} per million output tokens" if unit == "$/Mtok"
                 else f"{label} {a_} → {b_} {unit}")
         if a_ == b_:
-            same.append(f"{text} (the same)")
-        elif a != 0 and abs(b / a - 1) <= noise:
-            same.append(f"{text} ({100 * (b / a - 1):+.0f} %)")
+            same.append(text)
         elif float(a_) and float(b_):
-            moved.append(f"{text} ({max(a, b) / min(a, b):.1f}× {'higher' if b > a else 'lower'})")
+            moved.append(f"{text} ({b / a:.2f}×)")
         else:  # from or to (about) zero: no ratio to give
             moved.append(text)
-    told = f"Row {chapter} ({row['name']}) against row {prev['chapter']} ({prev['name']}), saved run of {t['date']}: "
-    told += ("beyond this machine's ±" + f"{100 * noise:.0f} % run-to-run noise, " + "; ".join(moved) if moved
-             else f"nothing moved beyond this machine's ±{100 * noise:.0f} % run-to-run noise")
-    return told + (f"; within it: {'; '.join(same)}." if same else ".")
+    told = (f"Row {chapter} ({row['name']}) against row {prev['chapter']} ({prev['name']}), saved run of {t['date']}, "
+            "one run each (figures and ratios, no verdict: one run has no interval to read against the noise): ")
+    told += "; ".join(moved) if moved else "no figure changed"
+    return told + (f"; the same: {'; '.join(same)}." if same else ".")

@@ -51,6 +51,7 @@ class BatchTimeline:
         self.preemptions: list[tuple[int, int, str]] = []  # (step, slot, request id)
         self.queue: list[int] = []  # waiting requests after each step
         self.durations: list[float] = []  # seconds each step took (scheduling, forward pass, sampling)
+        self.tokens: list[int] = []  # tokens each step fed the model: the step's work, counted
         self.fed: dict[str, list[int]] = {}  # request id -> tokens it fed, one entry per step it ran in
         self.slot_of: dict[str, int] = {}
         self.colors: dict[str, str] = {}
@@ -96,6 +97,7 @@ class BatchTimeline:
             self.slot_of.pop(req.request_id, None)
         self.queue.append(len(step.waiting))
         self.durations.append(step.end - step.start)
+        self.tokens.append(step.total_tokens)
         self.num_steps += 1
 
     # ------------------------------------------------------------------ numbers
