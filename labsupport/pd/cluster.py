@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,12 +23,7 @@ import time
 import httpx
 
 from .. import procs
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ..serve.background import free_port  # a port no bind to port 0 can take meanwhile
 
 
 class Worker:

@@ -6,6 +6,7 @@ by the OS.
 """
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
@@ -13,8 +14,35 @@ import time
 import uvicorn
 
 
+_handed_out: set[int] = set()  # ports this process chose already: two servers started together never share one
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the OS hands to a socket bound to port 0 (Linux: 32768 unless configured)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A free port *below* the OS's ephemeral range, for a server started a moment later. A port the OS picked
+    for a bind to port 0 is free again once that probe socket closes, so the OS may give it to the next bind to
+    port 0 — a KV server's, a client's — before our server binds it (seen: chapter 07's decode worker, 'address
+    already in use'). Ports under the ephemeral range are never handed out that way."""
+    low = max(1024, min(_ephemeral_low(), 32768) - 12000)
+    for port in random.Random().sample(range(low, low + 12000), 200):
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # a crowded range: fall back to the OS's choice
         s.bind((host, 0))
         return s.getsockname()[1]
 
