@@ -41,6 +41,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .block_pool import blocks_needed
+
 
 @dataclass
 class LoadSpec:
@@ -125,6 +127,38 @@ class KVConnectorBase(abc.ABC):
 
 # name -> (module, class): imported when a kv_transfer_config names it, so the engine imports no transport
 CONNECTORS = {"TcpConnector": ("labsupport.pd.connector", "TcpConnector")}
+
+
+# The scheduler-side rules every pulling connector shares (``pd/connector.py``'s TCP one, ``sim/kv_link.py``'s
+# simulated one): which prompt tokens come from another engine, which blocks a load fills, which a finished
+# prefill keeps for the pull. One place, so a simulated hand-off follows the real one.
+
+def remote_tokens_to_load(request, num_computed_tokens: int, block_size: int) -> tuple[int, bool]:
+    """``get_num_new_matched_tokens`` of a pulling connector: the prompt tokens past ``num_computed_tokens`` that
+    another engine computed, and whether to load them asynchronously; (0, False) when the request is not a remote
+    prefill's, its load is done, or the prefill side has fewer blocks than the prompt (then it is computed here)."""
+    p = request.params.kv_transfer_params or {}
+    if not p.get("do_remote_prefill") or request.remote_kv.load_done:
+        return 0, False
+    prompt = len(request.prompt_token_ids)
+    if blocks_needed(prompt, block_size) > len(p.get("remote_block_ids") or []):
+        return 0, False
+    return max(prompt - num_computed_tokens, 0), True
+
+
+def load_span(request, num_external_tokens: int, block_size: int) -> slice:
+    """The prompt blocks a load fills: after the local prefix hits, up to the prompt's last block."""
+    first = (len(request.prompt_token_ids) - num_external_tokens) // block_size  # local hits end here
+    return slice(first, blocks_needed(len(request.prompt_token_ids), block_size))
+
+
+def blocks_to_hold(request, block_ids: list[int], block_size: int) -> list[int] | None:
+    """A finished remote-decode request's prompt blocks, kept for the decode engine's pull; None when none are kept
+    (not a prefill for another engine, not finished normally, or no blocks)."""
+    p = request.params.kv_transfer_params or {}
+    if not p.get("do_remote_decode") or request.finish_reason not in ("stop", "length") or not block_ids:
+        return None
+    return list(block_ids[:blocks_needed(len(request.prompt_token_ids), block_size)])
 
 
 def register_connector(name: str, module: str, class_name: str):

@@ -18,8 +18,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ..engine.block_pool import blocks_needed
-from ..engine.kv_connector import KVConnectorBase, KVConnectorMetadata, LoadSpec
+from ..engine.kv_connector import (KVConnectorBase, KVConnectorMetadata, LoadSpec, blocks_to_hold, load_span,
+                                   remote_tokens_to_load)
 from ..engine.plug_points import PlugPoint
 from .kv_transfer import KVServer, TransferRecord, pull_blocks, unpack_blocks
 
@@ -87,32 +87,22 @@ class TcpConnector(KVConnectorBase):
     # ------------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        p = request.params.kv_transfer_params or {}
-        if not p.get("do_remote_prefill") or request.remote_kv.load_done:
-            return 0, False
-        remote = p.get("remote_block_ids") or []
-        prompt = len(request.prompt_token_ids)
-        if blocks_needed(prompt, self.block_size) > len(remote):
-            return 0, False  # the prefill side has less than the prompt: compute it here
-        return max(prompt - num_computed_tokens, 0), True
+        return remote_tokens_to_load(request, num_computed_tokens, self.block_size)
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens):
-        p = request.params.kv_transfer_params
-        first = (len(request.prompt_token_ids) - num_external_tokens) // self.block_size  # local hits end here
-        last = blocks_needed(len(request.prompt_token_ids), self.block_size)
+        p, span = request.params.kv_transfer_params, load_span(request, num_external_tokens, self.block_size)
         self._pending.append(LoadSpec(request.request_id, str(p["remote_request_id"]), str(p["remote_host"]),
-                                      int(p["remote_port"]), [int(b) for b in p["remote_block_ids"][first:last]],
-                                      list(block_ids[first:last])))
+                                      int(p["remote_port"]), [int(b) for b in p["remote_block_ids"][span]],
+                                      list(block_ids[span])))
 
     def build_connector_meta(self, scheduler_output):
         meta, self._pending = KVConnectorMetadata(self._pending), []
         return meta
 
     def request_finished(self, request, block_ids):
-        p = request.params.kv_transfer_params or {}
-        if not p.get("do_remote_decode") or request.finish_reason not in ("stop", "length") or not block_ids:
+        prompt_blocks = blocks_to_hold(request, block_ids, self.block_size)
+        if prompt_blocks is None:
             return False, None
-        prompt_blocks = list(block_ids[:blocks_needed(len(request.prompt_token_ids), self.block_size)])
         tid = f"{self.engine_id}-{request.request_id}"
         with self._lock:
             self.held[tid] = Held(request.request_id, prompt_blocks, time.monotonic() + self.lease_s)

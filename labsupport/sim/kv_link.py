@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..engine.block_pool import blocks_needed
-from ..engine.kv_connector import KVConnectorBase, KVConnectorMetadata, LoadSpec, register_connector
+from ..engine.kv_connector import (KVConnectorBase, KVConnectorMetadata, LoadSpec, blocks_to_hold, load_span,
+                                   register_connector, remote_tokens_to_load)
 
 
 @dataclass
@@ -89,30 +89,21 @@ class SimConnector(KVConnectorBase):
     # ------------------------------------------------------------------ scheduler side (TcpConnector's rules)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        p = request.params.kv_transfer_params or {}
-        if not p.get("do_remote_prefill") or request.remote_kv.load_done:
-            return 0, False
-        prompt = len(request.prompt_token_ids)
-        if blocks_needed(prompt, self.block_size) > len(p.get("remote_block_ids") or []):
-            return 0, False
-        return max(prompt - num_computed_tokens, 0), True
+        return remote_tokens_to_load(request, num_computed_tokens, self.block_size)
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens):
-        p = request.params.kv_transfer_params
-        first = (len(request.prompt_token_ids) - num_external_tokens) // self.block_size  # local hits end here
-        last = blocks_needed(len(request.prompt_token_ids), self.block_size)
+        p, span = request.params.kv_transfer_params, load_span(request, num_external_tokens, self.block_size)
         self._pending.append(LoadSpec(request.request_id, p["remote_request_id"], p["remote_engine_id"], 0,
-                                      list(p["remote_block_ids"][first:last]), list(block_ids[first:last])))
+                                      list(p["remote_block_ids"][span]), list(block_ids[span])))
 
     def build_connector_meta(self, scheduler_output):
         meta, self._pending = KVConnectorMetadata(self._pending), []
         return meta
 
     def request_finished(self, request, block_ids):
-        p = request.params.kv_transfer_params or {}
-        if not p.get("do_remote_decode") or request.finish_reason not in ("stop", "length") or not block_ids:
+        prompt_blocks = blocks_to_hold(request, block_ids, self.block_size)
+        if prompt_blocks is None:
             return False, None
-        prompt_blocks = list(block_ids[:blocks_needed(len(request.prompt_token_ids), self.block_size)])
         tid = f"{self.engine_id}-{request.request_id}"
         self.held[tid] = (request.request_id, math.inf)
         return True, {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
