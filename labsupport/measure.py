@@ -305,3 +305,36 @@ def median_and_tail(values: list[float], unit: str = "ms", spec: str = ".0f") ->
     label, value = tail_of(list(values))
     u = " " + unit if unit else ""
     return f"median {format(float(np.median(values)), spec)}{u}, {label} {with_n(value, len(values), unit, spec)}"
+
+
+@dataclass(frozen=True)
+class Share:
+    """``k`` of ``n`` (requests inside an SLO, say) and the exact (Clopper-Pearson) interval of the share."""
+    k: int
+    n: int
+    low: float
+    high: float
+    confidence: float = CONFIDENCE
+
+    @property
+    def value(self) -> float:
+        return self.k / self.n if self.n else math.nan
+
+    def __str__(self) -> str:
+        return (f"{100 * self.value:.0f} % ({self.k:,}/{self.n:,}; {100 * self.confidence:.0f} % interval "
+                f"{100 * self.low:.0f}-{100 * self.high:.0f} %)")
+
+
+def share_interval(k: int, n: int, confidence: float = CONFIDENCE) -> Share:
+    """A share counted over ``n`` trials with its exact binomial interval: how far chance alone, over that many
+    requests, could move it. Two shares differ in this discipline only when their intervals do not overlap."""
+    if not 0 <= k <= n or n < 1:
+        raise ValueError(f"a share needs 0 <= k <= n and n >= 1, got {k}/{n}")
+    from scipy.stats import binomtest
+    ci = binomtest(k, n).proportion_ci(confidence_level=confidence, method="exact")
+    return Share(k, n, float(ci.low), float(ci.high), confidence)
+
+
+def share_verdict(a: Share, b: Share, higher: str = "higher", lower: str = "lower") -> str:
+    """``higher`` when b's whole interval lies above a's, ``lower`` when below, else ``"level"``."""
+    return higher if b.low > a.high else lower if b.high < a.low else "level"

@@ -201,3 +201,23 @@ def test_one_run_each_gives_the_ratio_and_no_verdict_word():
     assert one_run_each(3.0, 2.0) == "1.50x (one run each: no verdict)"
     assert one_run_each(1.0, 4.0, "one request each") == "0.25x (one request each: no verdict)"
     assert one_run_each(0.0, 2.0).startswith("no ratio")
+
+
+def test_share_interval_is_exact_and_narrows_with_more_requests():
+    from labsupport.measure import share_interval
+    few, many = share_interval(6, 8), share_interval(150, 200)
+    assert few.value == 0.75 and many.value == 0.75
+    assert few.low < many.low <= 0.75 <= many.high < few.high  # same share, 25x the requests: a narrower interval
+    assert share_interval(0, 10).low == 0.0 and share_interval(10, 10).high == 1.0
+    assert "75 % (150/200" in str(many)
+    for k, n in ((3, 2), (-1, 4), (0, 0)):
+        with pytest.raises(ValueError):
+            share_interval(k, n)
+
+
+def test_share_verdict_calls_a_difference_only_when_the_intervals_part():
+    from labsupport.measure import share_interval, share_verdict
+    assert share_verdict(share_interval(6, 8), share_interval(4, 8)) == "level"  # 8 requests: anything goes
+    assert share_verdict(share_interval(150, 200), share_interval(100, 200)) == "lower"
+    assert share_verdict(share_interval(100, 200), share_interval(150, 200), "ahead", "behind") == "ahead"
+    assert share_verdict(share_interval(150, 200), share_interval(140, 200)) == "level"

@@ -224,3 +224,15 @@ def test_a_worker_that_fails_to_start_takes_its_router_down_too():
     with pytest.raises(RuntimeError, match="decode exited"):
         pdx.start([deployment(log, fails=True)])
     assert {n for what, n in log if what == "stop"} == {"prefill", "decode", "router"}
+
+
+def test_prefill_stalls_counts_the_steps_where_decoders_rode_with_a_long_prompt():
+    step = lambda t, prefill, decode: {"start": t, "end": t + 0.1, "prefill": prefill, "decode": decode}  # noqa: E731
+    whole = {"w": {"steps": [step(0, {"s1": 60}, []), step(1, {}, ["s1"]), step(2, {"L": 512}, ["s1", "s2"]),
+                             step(3, {"s2": 60}, ["s1"])]}}
+    chunked = {"w": {"steps": [step(0, {"L": 256}, ["s1"]), step(1, {"L": 256}, ["s1", "s2"]), step(2, {}, ["s1"])]}}
+    a, b = pdx.prefill_stalls(whole, long_from=256), pdx.prefill_stalls(chunked, long_from=256)
+    assert (a["stalled_steps"], a["decode_rows"], a["max_prompt_tokens"]) == (1, 2, 512)
+    assert (b["stalled_steps"], b["decode_rows"], b["max_prompt_tokens"]) == (2, 3, 256)
+    assert a["longest_ms"] == pytest.approx(100.0)
+    assert pdx.prefill_stalls({"dead": {"error": "refused"}}, 256)["stalled_steps"] == 0

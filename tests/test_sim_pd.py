@@ -229,3 +229,35 @@ def test_a_real_runs_requests_replayed_predict_it_exactly_when_the_run_was_itsel
         assert error == pytest.approx(0, abs=1e-9), name
     slower = predict_real_run(real, GPU, "1P1D", link={"bandwidth_gbps": 1, "latency_ms": 5})
     assert slower["error"]["ttft_p50"] > 0.02  # a slower link predicts a later first token
+
+
+def test_long_short_workload_mixes_one_long_prompt_in_eight_at_the_rate_asked():
+    from labsupport.sim.pd_cluster import long_short_workload
+    w = long_short_workload(800, 20.0, 64, 16, 1024, seed=1)
+    longs = [r for r in w if r.request_id.startswith("long")]
+    assert len(longs) == 100 and all(len(r.prompt_token_ids) == 1024 for r in longs)
+    assert all(len(r.prompt_token_ids) == 64 and r.max_tokens == 16 for r in w if r.request_id.startswith("short"))
+    assert 800 / w[-1].arrival_time == pytest.approx(20.0, rel=0.15)
+    assert len({tuple(r.prompt_token_ids[:16]) for r in w}) == len(w)  # no two share a first block
+    assert long_short_workload(800, 20.0, 64, 16, 1024, seed=1) == w
+
+
+def test_slo_grid_judges_short_requests_and_the_crossover_follows_the_intervals():
+    """At GPU scale the split keeps decoders' longest gap short while long prompts land (no stutter), and its one
+    prefill engine is what fails first as the load grows (DistServe's TTFT + TPOT)."""
+    from labsupport.sim.pd_cluster import crossover, goodput_rates, judge, long_short_workload, slo_grid
+    opts = dict(max_num_seqs=256, max_model_len=16384, max_num_batched_tokens=16384)
+    cells = {(4096, rate): long_short_workload(200, rate, 256, 64, 4096, seed=rate) for rate in (4, 64)}
+    layouts = {"colo": {"layout": "colocated", "replicas": 2, "policy": "least_loaded"}, "pd": {"layout": "1P1D"}}
+    slos = {"stutter": {"ttft": 150, "itl": 25}, "distserve": {"ttft": 150, "tpot": 25}}
+    grid = slo_grid(cells, layouts, slos, GPU, max_prompt_len=257, **opts)
+    light, heavy = grid[(4096, 4)], grid[(4096, 64)]
+    assert light["pd"]["stutter"].n == 175  # the 25 long prompts are not judged
+    assert light["pd"]["stutter"].value > light["colo"]["stutter"].high  # colocated decoders waited through prompts
+    assert heavy["colo"]["distserve"].value > heavy["pd"]["distserve"].high  # one prefill engine for every prompt
+    assert crossover(grid, "stutter", "pd", "colo")[(4096, 4)] == "split"
+    assert crossover(grid, "distserve", "pd", "colo")[(4096, 64)] == "together"
+    g = goodput_rates(grid, "distserve", "pd")
+    assert g[4096] == (4 if light["pd"]["distserve"].value >= 0.9 else 0.0)
+    with pytest.raises(ValueError):
+        judge([], {"e2e": 1.0})

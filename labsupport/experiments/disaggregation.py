@@ -288,6 +288,24 @@ def crossover(grid: dict, split: str, together: str) -> dict:
             "together_pays": [c for c, v in verdicts.items() if v == "together"]}
 
 
+def prefill_stalls(timelines: dict, long_from: int) -> dict:
+    """What the decoders rode through in one deployment's run (its engines' ``/pd/timeline`` answers): the steps
+    that carried decode rows *and* tokens of a long prompt (a request that prefilled ``long_from`` tokens or more
+    in all). Returns ``stalled_steps``, ``decode_rows`` (decode rows in them: each is one slowed gap of some
+    request), ``max_prompt_tokens`` (the most long-prompt tokens in one such step) and ``longest_ms``."""
+    fed: dict[str, int] = {}
+    steps = [s for t in timelines.values() if "steps" in t for s in t["steps"]]
+    for s in steps:
+        for rid, n in s["prefill"].items():
+            fed[rid] = fed.get(rid, 0) + n
+    long_ids = {rid for rid, n in fed.items() if n >= long_from}
+    stalled = [s for s in steps if s["decode"] and long_ids & set(s["prefill"])]
+    return {"stalled_steps": len(stalled), "decode_rows": sum(len(s["decode"]) for s in stalled),
+            "max_prompt_tokens": max((sum(n for r, n in s["prefill"].items() if r in long_ids) for s in stalled),
+                                     default=0),
+            "longest_ms": max(((s["end"] - s["start"]) * 1000 for s in stalled), default=0.0)}
+
+
 def busy_during(steps: list[dict], start: float, end: float) -> float:
     """Seconds of ``[start, end]`` during which a worker was computing a step (its timeline's ``steps``)."""
     return sum(max(0.0, min(end, s["end"]) - max(start, s["start"])) for s in steps)

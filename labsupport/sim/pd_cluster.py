@@ -354,3 +354,81 @@ def predict_real_run(result, profile, layout: str = "1P1D", **options) -> dict:
         if measured["p99_itl_ms"] else math.nan
     return {"simulated": True, "profile": s["profile"], "layout": s["layout"], "requests": s["requests"],
             "measured": measured, "predicted": predicted, "error": error}
+
+
+def long_short_workload(num_requests: int, rate: float, short_in: int, short_out: int, long_in: int,
+                        long_out: int | None = None, long_every: int = 8, burstiness: float = 1.0,
+                        seed: int = 0) -> list[BenchRequest]:
+    """Chapter 07's mix at any scale: one request in ``long_every`` a ``long_in``-token prompt (``long-i``), the
+    rest ``short_in`` tokens (``short-i``), sent as a gamma process at ``rate`` per second (Poisson at
+    ``burstiness`` 1). Prompts of random token ids below 30,000 (inside any vocabulary the course loads): a
+    simulated engine reads lengths, and no two share a prefix. Answers ``short_out`` tokens (``long_out``, default the same, for the long ones)."""
+    import numpy as np
+
+    from ..bench.serving.serve_datasets import arrival_gaps
+    rng = np.random.default_rng(seed)
+    times = np.cumsum(arrival_gaps(num_requests, rate, burstiness, rng))
+    out = []
+    for i, t in enumerate(times):
+        long_ = i % long_every == long_every // 2
+        ids = rng.integers(100, 30_000, long_in if long_ else short_in).tolist()
+        out.append(BenchRequest(float(t), ids, (long_out or short_out) if long_ else short_out,
+                                f"{'long' if long_ else 'short'}-{i}"))
+    return out
+
+
+def judge(outputs, slo: dict, max_prompt_len: int | None = None):
+    """SLO attainment (a ``measure.Share``) of the requests with prompts shorter than ``max_prompt_len`` (all with
+    None). ``slo`` in ms: ``ttft``; ``tpot``, a request's mean gap after its first token (DistServe's TPOT);
+    ``itl``, its longest gap (a stutter a streaming reader sees)."""
+    from ..measure import share_interval
+    measures = {"ttft": lambda o: o.metrics.ttft,
+                "tpot": lambda o: (o.metrics.latency - o.metrics.ttft) / max(len(o.token_ids) - 1, 1),
+                "itl": lambda o: max(o.metrics.itl, default=0.0)}
+    unknown = set(slo) - set(measures)
+    if unknown:
+        raise ValueError(f"unknown SLO keys {sorted(unknown)}: use {sorted(measures)}")
+    judged = [o for o in outputs if max_prompt_len is None or len(o.prompt_token_ids) < max_prompt_len]
+    good = sum(all(measures[k](o) * 1000 <= v for k, v in slo.items()) for o in judged)
+    return share_interval(good, len(judged))
+
+
+def slo_grid(cells: dict, layouts: dict, slos: dict, profile, max_prompt_len: int | None = None,
+             progress=None, **options) -> dict:
+    """Every cell's workload (``{cell: [BenchRequest]}``) through every layout (``{name: simulate_pd's layout
+    arguments}``, e.g. ``{"colocated x2": {"layout": "colocated", "replicas": 2}, "1P1D": {"layout": "1P1D"}}``),
+    judged by every SLO (``{slo name: judge's slo}``): ``{cell: {layout: {slo name: Share, "itl": the judged
+    requests' gaps (ms)}}}``. ``options``: ``simulate_pd``'s, for every layout. ``progress``: a tqdm-like
+    wrapper for the cells."""
+    grid = {}
+    for cell, workload in (progress or (lambda x, **_: x))(list(cells.items()), desc="simulated cells"):
+        grid[cell] = {}
+        for name, layout in layouts.items():
+            _, _, outputs = simulate_pd_run(workload, profile, **{**options, **layout})
+            judged = [o for o in outputs if max_prompt_len is None or len(o.prompt_token_ids) < max_prompt_len]
+            grid[cell][name] = {**{s: judge(outputs, slo, max_prompt_len) for s, slo in slos.items()},
+                                "itl": [g * 1000 for o in judged for g in o.metrics.itl]}
+    return grid
+
+
+def crossover(grid: dict, slo: str, split: str, together: str) -> dict:
+    """Each cell of ``slo_grid`` called ``"split"`` (``split``'s attainment interval lies wholly above
+    ``together``'s), ``"together"`` (below) or ``"level"`` (the intervals overlap): ``{cell: word}``."""
+    from ..measure import share_verdict
+    return {cell: share_verdict(row[together][slo], row[split][slo], "split", "together")
+            for cell, row in sorted(grid.items())}
+
+
+def goodput_rates(grid: dict, slo: str, name: str, target: float = 0.9) -> dict:
+    """DistServe's goodput from a ``(length, rate)`` grid: per length, the highest rate at which ``name`` kept at
+    least ``target`` of the judged requests inside ``slo``, every lower rate of the grid too (0.0: not even the
+    lowest)."""
+    out = {}
+    for length in sorted({c[0] for c in grid}):
+        best = 0.0
+        for rate in sorted(c[1] for c in grid if c[0] == length):
+            if grid[(length, rate)][name][slo].value < target:
+                break
+            best = rate
+        out[length] = best
+    return out
