@@ -171,3 +171,37 @@ def test_a_policy_that_raises_in_the_router_fails_the_check():
         with pytest.raises(checks.CheckFailed, match="your policy broke 6 requests"):
             checks.compare_routing(raises, [a.url, b.url], ["a", "b"], "smol", Vocabulary(),
                                    RoutingLoad(num_requests=6, output_len=1))
+
+
+def test_the_verdict_calls_a_difference_only_when_the_intervals_part():
+    from labsupport.checks.slo_routing import verdict
+
+    def row(policy, within, n=16, shed=0):
+        return {"policy": policy, "within": within, "requests": n, "attainment": within / n, "goodput_req_s": 1.0,
+                "shed": shed}
+    few = {"rows": [row("round robin", 6), row("least loaded", 5), row("your SLO-aware", 3, shed=8)]}
+    assert "level with round robin" in verdict(few) and "fewer" not in verdict(few)  # 3/16 against 6/16: chance
+    many = {"rows": [row("round robin", 220, 1000), row("least loaded", 190, 1000), row("your SLO-aware", 400, 1000)]}
+    assert verdict(many).count("more requests within the target than") == 2
+
+
+def test_simulated_routing_runs_the_attendees_policy_unchanged_and_shedding_pays_under_overload(reference):
+    """The router's own policies and the attendee's function on simulated engines: at 1.5x what the engines
+    sustained, refusing what cannot make the target keeps more of 600 requests within it than round robin."""
+    from labsupport.checks.slo_routing import RoutingLoad, format_routing, simulated_routing
+    from labsupport.measure import share_interval
+    calls = []
+
+    def counted(prompt_tokens, loads, slo_ttft_s):
+        calls.append(prompt_tokens)
+        return reference(prompt_tokens, loads, slo_ttft_s)
+    load = RoutingLoad(num_requests=600, long_len=2048, short_len=256, output_len=32, calibration_burst=64, load=1.5)
+    r = simulated_routing(counted, "h100-llama-3.1-8b", load, max_num_seqs=256, max_num_batched_tokens=8192)
+    rows = {row["policy"]: row for row in r["rows"]}
+    assert len(calls) == 600 and r["simulated"]
+    assert all(row["within"] + row["late"] + row["shed"] == 600 for row in rows.values())
+    assert rows["round robin"]["shed"] == 0 and rows["your SLO-aware"]["shed"] > 0
+    mine, rr = (share_interval(rows[n]["within"], 600) for n in ("your SLO-aware", "round robin"))
+    assert mine.low > rr.high, format_routing(r, load)
+    assert simulated_routing(reference, "h100-llama-3.1-8b", load, max_num_seqs=256,
+                             max_num_batched_tokens=8192)["rows"] == r["rows"]  # the same inputs, the same run

@@ -18,6 +18,7 @@ requests whose first token came within the target; a shed request counts as miss
 from __future__ import annotations
 
 import copy
+import math
 import random
 from dataclasses import dataclass
 
@@ -255,20 +256,91 @@ def compare_routing(choose_worker, urls: list[str], names: list[str], model: str
 
 
 def verdict(result: dict, threshold: float = 0.9) -> str:
-    """What the table shows, in words: each baseline against the attendee's policy, and which fell below the
-    threshold."""
+    """What the table shows, in words, through the measurement discipline: each baseline's share of requests within
+    the target against the attendee's, a word ("more", "fewer") only when their 95 % intervals part, else "level
+    with"; and which policies fell below the threshold."""
+    from ..measure import share_interval, share_verdict
     rows = {r["policy"]: r for r in result["rows"]}
     mine = rows["your SLO-aware"]
+    share = {name: share_interval(r["within"], r["requests"]) for name, r in rows.items()}
 
     def against(name):
         r = rows[name]
-        word = ("more requests within the target than" if mine["attainment"] > r["attainment"] else
-                "fewer requests within the target than" if mine["attainment"] < r["attainment"] else
-                "as many requests within the target as")
-        return (f"{word} {name} ({100 * mine['attainment']:.0f} % against "
-                f"{100 * r['attainment']:.0f} %; goodput {mine['goodput_req_s']:.2f} against {r['goodput_req_s']:.2f} req/s)")
+        word = share_verdict(share[name], share["your SLO-aware"], "more requests within the target than",
+                             "fewer requests within the target than")
+        word = "a share within the target level with" if word == "level" else word
+        return (f"{word} {name} ({share['your SLO-aware']} against {share[name]}; goodput "
+                f"{mine['goodput_req_s']:.2f} against {r['goodput_req_s']:.2f} req/s)")
 
     below = [r["policy"] for r in result["rows"] if r["attainment"] < threshold]
     return (f"Your SLO-aware policy got {against('round robin')}, and {against('least loaded')}, shedding "
             f"{mine['shed']} of {mine['requests']}. Below {100 * threshold:.0f} % attainment: "
             f"{', '.join(below) if below else 'none'}.")
+
+
+def simulated_routing(choose_worker, profile, load: RoutingLoad, replicas: int = 2, **engine_options) -> dict:
+    """``compare_routing``'s experiment on a simulated clock (``labsupport.sim``): ``replicas`` simulated engines of
+    ``profile`` behind the router's own policies — round robin, least loaded and ``SLOAware(choose_worker)``, the
+    attendee's function unchanged — with the same calibration (each engine's lone TTFT of a long prompt sets the
+    target; seconds per prompt token sustained in a burst of the mix, every engine busy), the same offered rate
+    (``load.load`` times what they sustain) and gamma arrivals, at a request count two cores cannot reach in real
+    time. Returns ``compare_routing``'s dict (rows, calibration, rate) plus ``"simulated": True`` and the profile."""
+    from ..bench.offline.workload import BenchRequest
+    from ..pd.routing import SLOAware
+    from ..sim.pd_cluster import Cluster
+    from ..sim.simulate import with_gamma_arrivals
+
+    def requests(lengths, seed, out):
+        rng = random.Random(seed)
+        return [BenchRequest(0.0, [rng.randrange(100, 30_000) for _ in range(n)], out, f"q{i}")
+                for i, n in enumerate(lengths)]
+
+    def run(workload, policy="round_robin", engines=replicas):
+        cluster = Cluster(profile, "colocated", engines, policy=policy, **engine_options)
+        outputs, duration = cluster.run(workload)
+        return cluster, outputs, duration
+
+    _, (lone,), _ = run(requests([load.long_len], load.seed + 1000, 1), engines=1)
+    lengths_cal = load.lengths(load.calibration_burst * replicas, load.seed + 2000)
+    _, _, burst_s = run(requests(lengths_cal, load.seed + 3000, load.output_len))  # every engine busy at once
+    names = [f"replica-{k}" for k in range(replicas)]
+    spt = {n: burst_s * replicas / sum(lengths_cal) for n in names}  # identical engines: the burst's average each
+    slo = load.slo_factor * lone.metrics.ttft
+    lengths = load.lengths(load.num_requests, load.seed)
+    capacity = sum(1 / (s * sum(lengths) / len(lengths)) for s in spt.values())
+    rate = load.load * capacity
+    rows = []
+    for k, (label, name) in enumerate([("round robin", "round_robin"), ("least loaded", "least_loaded"),
+                                       ("your SLO-aware", None)]):
+        policy = name or SLOAware(choose_worker, slo, spt)
+        workload = with_gamma_arrivals(requests(lengths, load.seed + k, load.output_len), rate, load.burstiness,
+                                       load.seed)
+        cluster, outputs, duration = run(workload, policy)
+        shed = sum(t.shed for t in cluster.traces.values())
+        ttfts = sorted(o.metrics.ttft for o in outputs)
+        within = sum(t <= slo for t in ttfts)
+        rows.append({"policy": label, "attainment": within / len(workload), "goodput_req_s": within / duration,
+                     "within": within, "late": len(ttfts) - within, "shed": shed, "requests": len(workload),
+                     "p90_ttft_s": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else math.nan,
+                     "duration_s": duration})
+    return {"rows": rows, "rate_req_s": rate, "lengths": lengths, "simulated": True, "profile": profile,
+            "calibration": {"lone_ttft_s": {n: lone.metrics.ttft for n in names}, "s_per_token": spt,
+                            "slo_ttft_s": slo}, "capacity_req_s": capacity}
+
+
+def format_routing(result: dict, load: RoutingLoad) -> str:
+    """``compare_routing``'s table for a result (the simulated one's too), as text."""
+    cal, rows = result["calibration"], result["rows"]
+    lines = [f"target TTFT {cal['slo_ttft_s'] * 1000:.0f} ms ({load.slo_factor:g}x a lone {load.long_len}-token "
+             f"prompt's); {len(result['lengths'])} requests ({sum(x == load.long_len for x in result['lengths'])} of "
+             f"{load.long_len} tokens, the rest {load.short_len}), {load.output_len} tokens out, gamma arrivals of "
+             f"shape {load.burstiness:g} at {result['rate_req_s']:.2f} req/s",
+             f"{'policy':16} {'within target':>14} {'attainment (95 % interval)':>27} {'goodput':>12} {'late':>5} "
+             f"{'shed':>5}"]
+    from ..measure import share_interval
+    for row in rows:
+        s = share_interval(row["within"], row["requests"])
+        lines.append(f"{row['policy']:16} {row['within']:>6} of {row['requests']:<5} {100 * s.value:>9.0f} % "
+                     f"({100 * s.low:3.0f}-{100 * s.high:3.0f} %)   {row['goodput_req_s']:>8.2f} req/s {row['late']:>5} "
+                     f"{row['shed']:>5}")
+    return "\n".join(lines)
