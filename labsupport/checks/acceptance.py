@@ -92,14 +92,13 @@ def _check_distribution(rule, trials: int):
         a, b = divmod(worst, counts.shape[1])
         raise CheckFailed(f"sampled pairs do not follow the target: chi-square {chi2:.0f} > {CHI2_DF35} (alpha 0.001). "
                           f"Pair ({a}, {b}) came {int(counts[a, b])} times in {trials}, the target expects "
-                          f"{float(expected[a, b]):.0f}. Accept a guess d with probability min(1, p(d) / q(d)); at the "
-                          "first rejection draw from max(p - q, 0), renormalised")
+                          f"{float(expected[a, b]):.0f}: the emitted tokens must be distributed exactly as the target's, "
+                          "whatever the guesses")
     spread = 4 * (best_rate * (1 - best_rate) / trials) ** 0.5  # four standard deviations of the count
     if abs(accepted / trials - best_rate) > spread:
         raise CheckFailed(f"the first guess was accepted in {accepted / trials:.1%} of {trials} steps; the rule "
-                          f"accepts with probability sum(min(p, q)) = {best_rate:.1%}. The output may still follow "
-                          "the target, but a rule that accepts less wastes guesses: use min(1, p(d) / q(d)) with "
-                          "the q the guess was drawn from")
+                          f"can accept with probability sum(min(p, q)) = {best_rate:.1%}. The output may still follow "
+                          "the target, but a rule that accepts less wastes guesses")
     gen = torch.Generator().manual_seed(1)
     p = torch.tensor([[0.4, 0.3, 0.1, 0.1, 0.05, 0.05], [1 / 6] * 6])
     seen = torch.zeros(6)
@@ -109,8 +108,8 @@ def _check_distribution(rule, trials: int):
     if chi2 > CHI2_DF5:
         raise CheckFailed(f"a certain guess (draft_probs None: q is one-hot at the guess) 1 with target "
                           f"{p[0].tolist()}: the first token came {seen.int().tolist()} times in {trials}, expected "
-                          f"{(trials * p[0]).int().tolist()}. Accept with probability p(d); if rejected, draw from p "
-                          "without d")
+                          f"{(trials * p[0]).int().tolist()}: with certain guesses too, the emitted tokens must follow the "
+                          "target's distribution")
 
 
 def check_acceptance_rule(accept_guesses, llm=None, trials: int = 8000):
@@ -215,9 +214,8 @@ def check_sampled_in_engine(accept_guesses, llm, requests: int = 32, max_tokens:
             raise CheckFailed(
                 f"sampled at temperature {temperature:g} in the engine, {len(seen)} verified steps: the first verified "
                 f"token was {name} {observed} times; the target's probabilities expect {expected:.1f} "
-                f"± {var ** 0.5:.1f} ({z:+.1f} standard deviations, beyond ±{z_max:g}). Accept a guess with "
-                "probability min(1, p(d) / q(d)) (a random draw, not a comparison), and at the first rejection "
-                "draw from max(p - q, 0), renormalised")
+                f"± {var ** 0.5:.1f} ({z:+.1f} standard deviations, beyond ±{z_max:g}): the emitted tokens must "
+                "follow the target's probabilities, whatever the guess")
     guess, other = counts["the guess"], counts["the likeliest other token"]
     passed(f"in the engine, sampled at temperature {temperature:g} ({requests} seeded requests, {len(seen)} verified "
            f"steps): the first verified token was the guess {guess[0]} times against the target's "

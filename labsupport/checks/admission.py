@@ -51,27 +51,26 @@ def _hint(step_no, rid, got, want, req, s_ref, got_hits):
     cfg, hit = s_ref.config, s_ref.last_hits.get(rid, 0)
     where = f"step {step_no}, request {rid} ({len(req.prompt_token_ids)}-token prompt)"
     if fed_got > fed_want and fed_want and hit:
-        return (f"{where}: fed {fed_got} tokens, but {hit} of its prompt tokens are in the prefix cache. Feed "
-                "only what is left after the hit (num_tokens - num_computed_tokens - hit.num_tokens), and admit "
-                "with the hit (s.admit(req, hit)) so its tokens count as computed")
+        return (f"{where}: fed {fed_got} tokens, but {hit} of its prompt tokens are in the prefix cache "
+                "(cached tokens are never fed again, and the engine knows them as computed)")
     if fed_got == fed_want and got_hits.get(rid, 0) != hit:
         return (f"{where}: fed the right {fed_got} tokens, but it was admitted with {got_hits.get(rid, 0)} tokens "
-                f"from the prefix cache instead of {hit}: admit it with its hit, s.admit(req, hit), or the engine "
-                "computes those tokens at the wrong positions")
+                f"from the prefix cache instead of {hit} (the engine must know the cached tokens as computed, "
+                "or it computes the next ones at the wrong positions)")
     if cfg.long_prefill_token_threshold and fed_got > cfg.long_prefill_token_threshold:
         return (f"{where}: fed {fed_got} tokens, over long_prefill_token_threshold="
-                f"{cfg.long_prefill_token_threshold}: let s.chunk_rule size the chunk, it applies the cap")
+                f"{cfg.long_prefill_token_threshold} (the first chunk is what the chunking rule gives)")
     if fed_got == 0 and fed_want and not cfg.enable_chunked_prefill:
         return (f"{where}: never admitted. It is longer than the whole budget ({cfg.max_num_batched_tokens}) and "
-                "chunking is off, so the chunk rule says 0 every step; a request alone in its step (nothing "
-                "scheduled yet: not out.requests) must run anyway, all of it, or it waits forever")
+                "chunking is off, so the chunk rule says 0 every step (progress: a request alone in its step "
+                "starts whatever its size, or it waits forever)")
     if fed_got == 0 and fed_want:
-        return (f"{where}: the engine admits it with a first chunk of {fed_want} tokens; yours made it wait. With "
-                "chunked prefill the head takes what the budget has left, and it needs KV memory only for that "
-                "chunk (s.kv.can_allocate(req, n, hit) with n the chunk, not the prompt)")
+        return (f"{where}: the engine admits it with a first chunk of {fed_want} tokens; yours made it wait (the "
+                "first chunk is what the chunking rule gives, and it needs memory for that chunk only, not the "
+                "whole prompt)")
     if fed_got and not fed_want:
-        return (f"{where}: admitted with {fed_got} tokens, but the engine makes it wait here: check the budget "
-                "left, the chunk rule, and that its blocks fit (s.kv.can_allocate(req, n, hit), the hit included)")
+        return (f"{where}: admitted with {fed_got} tokens, but the engine makes it wait here: the budget left, "
+                "the chunking rule or the pool (the hit and this chunk) does not allow it to start")
     return f"{where}: fed {fed_got} tokens, the engine's admission feeds {fed_want}"
 
 
@@ -94,9 +93,8 @@ def _run(admit_fn, name, options, arrivals, max_steps=300):
         try:
             got_out = yours.schedule()
         except MemoryError:
-            raise CheckFailed(f"[{name}, step {step}] a block was allocated with none free: before admitting, check "
-                              "s.kv.can_allocate(req, n, hit) with the hit (its cached free blocks leave the free "
-                              "list too) and the chunk's n") from None
+            raise CheckFailed(f"[{name}, step {step}] a block was allocated with none free (memory for this chunk: "
+                              "the pool must hold the hit and this chunk when the request starts)") from None
         got, want = got_out.scheduled, want_out.scheduled
         if got != want or got_out.prefix_hit_tokens != want_out.prefix_hit_tokens:
             diff = next((rid for rid in sorted(set(got) | set(want)) if got.get(rid) != want.get(rid)), None)

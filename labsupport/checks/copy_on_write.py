@@ -44,8 +44,8 @@ def _check_fork(fork_blocks):
                           "with the same block numbers), since copy-on-write later replaces entries in it")
     if alloc.ref_counts[:3] != [2, 2, 2] or alloc.num_free != 5:
         raise CheckFailed(f"after the fork each block has two holders: ref counts should be [2, 2, 2] with 5 blocks "
-                          f"still free, got {alloc.ref_counts[:3]} and {alloc.num_free} free. Use allocator.share(block): "
-                          "without it the first sample to finish frees blocks the others still read")
+                          f"still free, got {alloc.ref_counts[:3]} and {alloc.num_free} free: otherwise the first sample to finish "
+                          "frees blocks the others still read")
     return alloc, parent, list(child)
 
 
@@ -54,17 +54,16 @@ def _check_cow(copy_on_write, alloc, parent, child):
     copy_on_write(alloc, child, 2, rec.new_block, rec.copy_block)
     if len(rec.new) != 1 or child[2] != (rec.new[0] if rec.new else None):
         raise CheckFailed(f"block 2 of the sample's table {parent} is shared (ref count 2) and about to be written: "
-                          f"take a new block (new_block()), put it at that index of the table, got table {child} "
+                          f"afterwards that entry of the sample's table must be a block only it holds, got table {child} "
                           f"after {len(rec.new)} new blocks. Writing into the shared block would overwrite the other "
                           "sample's KV")
     new = rec.new[0]
     if rec.copies != [(parent[2], new)]:
-        raise CheckFailed(f"the new block {new} must start as a copy of the shared block {parent[2]} "
-                          f"(copy_block(src={parent[2]}, dst={new})), got copies {rec.copies}: the sample still needs "
-                          "the tokens already in it")
+        raise CheckFailed(f"the new block {new} must start as a copy of the shared block {parent[2]}, got copies "
+                          f"{rec.copies} (as (src, dst) pairs): the sample still needs the tokens already in it")
     if alloc.ref_counts[parent[2]] != 1:
-        raise CheckFailed(f"after copying, the sample no longer holds block {parent[2]}: free it once "
-                          f"(allocator.free) so its ref count drops to 1, got {alloc.ref_counts[parent[2]]} (a leak)")
+        raise CheckFailed(f"after copying, the sample no longer holds block {parent[2]}, so its ref count must drop "
+                          f"to 1 (the parent alone), got {alloc.ref_counts[parent[2]]}")
     if parent != [0, 1, 2] or child[:2] != parent[:2]:
         raise CheckFailed(f"copy-on-write changed other entries: parent {parent}, sample {child}")
     rec2 = _Recorder(alloc)
@@ -84,7 +83,7 @@ def check_copy_on_write(fork_blocks, copy_on_write, llm=None, n=4):
     except CheckFailed:
         raise
     except Exception as exc:  # noqa: BLE001 - the attendee's code: report it
-        raise CheckFailed(f"{type(exc).__name__}: {exc} (share() needs a held block; free() a held one)") from exc
+        raise CheckFailed(f"{type(exc).__name__}: {exc}") from exc
     passed("fork_blocks shares every block into the sample's own table; copy_on_write copies a shared block "
            "before the write, lets go of the original, and writes a block held alone in place")
     if llm is None:

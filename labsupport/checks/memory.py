@@ -16,8 +16,8 @@ def check_slot_mapping(slot_mapping):
         got, want = slot_mapping(list(table), start, n, bs), reference(table, start, n, bs)
         if list(got) != want:
             raise CheckFailed(f"slot_mapping({table}, start={start}, n={n}, block_size={bs}): "
-                              f"{first_difference(list(got), want)} (hint: token p lives in block "
-                              f"table[p // block_size] at offset p % block_size)")
+                              f"{first_difference(list(got), want)} (a sequence's tokens fill its blocks in the order of "
+                              f"its block table, block_size to a block)")
     passed(f"slot_mapping is right in {len(cases)} cases, block boundaries included")
 
 
@@ -77,8 +77,7 @@ def check_chain_hashes(chain_hashes):
         if got != want:
             raise CheckFailed(f"{len(toks)} tokens, block_size={bs}, salt={salt!r}: hash of block "
                               f"{next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)} differs. "
-                              "Hint: hash_block(parent, block_tokens, salt) with parent = the previous block's "
-                              "hash (None for the first block)")
+                              "A block's hash must stand for every token up to the end of the block, and the salt")
     # the properties the chain exists for, stated on their own
     a = chain_hashes([1] * 8 + [2] * 8, 8, None)
     b = chain_hashes([3] * 8 + [2] * 8, 8, None)

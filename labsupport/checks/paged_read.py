@@ -55,8 +55,8 @@ HINTS = {
     "one_short": "the last key was left out: context_len already counts the new token, whose K/V were written "
                  "before the read, so positions 0 .. context_len - 1 are all attended",
     "one_long": "one key too many: position context_len is not part of the sequence (mask slots j >= context_len)",
-    "heads_interleaved": "query head h must use KV head h // (heads // kv_heads): a group is consecutive query heads "
-                         "(repeat_interleave), not every kv_heads-th one",
+    "heads_interleaved": "query heads read the wrong KV heads: query head h must use KV head h // (heads // kv_heads), "
+                         "so a group is consecutive query heads, not every kv_heads-th one",
     "no_scale": "the scores were not scaled by 1 / sqrt(head_dim)",
 }
 
@@ -107,8 +107,8 @@ def check_paged_read(paged_read, llm=None):
         bad = [i for i in range(len(lens)) if not torch.allclose(got[i].float(), want[i].float(), atol=tol, rtol=tol)]
         raise CheckFailed(f"wrong output for sequences {bad} of case {case_no} (contexts {lens.tolist()}, block tables "
                           f"{tables.tolist()}, block size {bs}): largest difference "
-                          f"{(got.float() - want.float()).abs().max().item():.3g}. Token p of sequence i lives in slot "
-                          f"block_tables[i, p // block_size] * block_size + p % block_size")
+                          f"{(got.float() - want.float()).abs().max().item():.3g}. Each query must attend over exactly the "
+                          f"positions 0 .. context_len - 1 of its own sequence, wherever its blocks lie in the pool")
     passed("paged_read gathers scattered blocks, masks by length and groups query heads like the engine, "
            "in 5 cases (GQA, MHA, MQA, block sizes 2 to 16, bfloat16)")
     if llm is not None:

@@ -86,30 +86,30 @@ def _check_step(s, batch, name, step, running_before, waiting_before, remaining)
     if len(set(ids)) != len(ids):
         _fail(name, step, f"a request appears twice in the batch: {ids}")
     if batch.total_tokens > budget:
-        _fail(name, step, f"the batch has {batch.total_tokens} tokens, over max_num_batched_tokens={budget}: "
-                          "count each request's tokens against the budget, and stop when it is spent")
+        _fail(name, step, f"the batch has {batch.total_tokens} tokens, over max_num_batched_tokens={budget} "
+                          "(token budget)")
     if len(s.running) > s.config.max_num_seqs:
         _fail(name, step, f"{len(s.running)} requests run, over max_num_seqs={s.config.max_num_seqs}")
     for req, n in zip(batch.requests, batch.num_new_tokens):
         if req in s.preempted:
             _fail(name, step, f"{req.request_id} was preempted after it was put in this step's batch: its blocks "
-                              "are gone. Preempt the newest running request (s.running[-1]), which has not "
-                              "been scheduled yet")
+                              "are gone (preemption: the victim is never a request already in out)")
         if req not in s.running:
-            _fail(name, step, f"{req.request_id} is in the batch but not in s.running: admit it with s.admit(req)")
+            _fail(name, step, f"{req.request_id} is in the batch but not in s.running (whole work: every request in "
+                              "out is in s.running)")
         if n != remaining[req.request_id]:
-            _fail(name, step, f"{req.request_id} needs {remaining[req.request_id]} tokens fed but got {n}: "
-                              "use s.num_new_tokens(req, budget_left, out)")
+            _fail(name, step, f"{req.request_id} needs {remaining[req.request_id]} tokens fed but got {n} (whole "
+                              "work: the tokens s.num_new_tokens gives it)")
         if len(req.block_table) * bs < req.num_computed_tokens + n:
-            _fail(name, step, f"{req.request_id} has no blocks for its new tokens: put it in the batch "
-                              "with s.add_to_batch(out, req, n), which allocates them")
+            _fail(name, step, f"{req.request_id} has no blocks for its new tokens (whole work: every request in "
+                              "out has the blocks for them)")
     left = budget - batch.total_tokens
     for req in running_before:
         if req in s.running and req not in batch.requests and remaining[req.request_id] <= left:
             if not s.kv.can_allocate(req, remaining[req.request_id]):
-                _fail(name, step, f"running request {req.request_id} was skipped for lack of a free block: when "
-                                  "blocks run out, preempt the newest running request (s.preempt(s.running[-1])) "
-                                  "until it fits; skipping it would stall everyone once the pool is full")
+                _fail(name, step, f"running request {req.request_id} was skipped for lack of a free block "
+                                  "(preemption by recompute: a running request that needs a block when none is "
+                                  "free is not skipped); skipping it would stall everyone once the pool is full")
             _fail(name, step, f"running request {req.request_id} was left out although the budget had room: "
                               "running requests go first, every step")
     admitted = [r.request_id for r in s.running if r not in running_before]
@@ -119,15 +119,15 @@ def _check_step(s, batch, name, step, running_before, waiting_before, remaining)
                           "first, and new ones only get what is left")
     queue = [r.request_id for r in waiting_before]
     if admitted != queue[:len(admitted)]:
-        _fail(name, step, f"admitted {admitted} from the queue {queue}: admit in arrival order (FCFS), "
-                          "and when the head does not fit, stop: nobody overtakes it")
+        _fail(name, step, f"admitted {admitted} from the queue {queue} (FCFS admission: the requests admitted "
+                          "in a step are the head of the queue, in arrival order; nobody overtakes the head)")
     if s.waiting and len(s.running) < s.config.max_num_seqs:
         head = s.waiting[0]
         need = head.num_tokens - head.num_computed_tokens
         if need <= left and s.kv.can_allocate(head, need) and not s.preempted:
             _fail(name, step, f"{head.request_id} waits although a slot, {left} tokens of budget and the blocks "
-                              "it needs are free: admit waiting requests as soon as they fit (static batching "
-                              "would wait for the whole batch)")
+                              "it needs are free (no idle slot: waiting for the whole batch to finish is "
+                              "static batching)")
 
 
 def check_schedule(schedule_fn, llm=None):
@@ -137,7 +137,8 @@ def check_schedule(schedule_fn, llm=None):
         preemptions += _simulate(schedule_fn, *scenario).num_preemptions
     if preemptions == 0:
         raise CheckFailed(f"[{SCENARIOS[1][0]}] the pool cannot hold every request at once, yet nobody was "
-                          "preempted: free the newest running request's blocks with s.preempt(victim)")
+                          "preempted (preemption by recompute: when blocks run out, a running request "
+                          "gives its blocks back)")
     message = f"schedule keeps every invariant over {len(SCENARIOS)} scenarios ({preemptions} preemptions)"
     if llm is not None:
         _same_tokens_in_engine(llm, {"schedule_fn": schedule_fn}, "your schedule()", num_blocks=6)
