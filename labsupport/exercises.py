@@ -11,12 +11,17 @@ executes. A code cell tagged ``exercise`` marks the attendee's part between two 
 each solution replaced by ``raise NotImplementedError(...)``, and the solution kept in a
 collapsed "Reveal the reference solution" cell placed right after the exercise's **check cell**,
 not under the stub: an attendee meets the check (and its verdict on their own attempt) before the
-answer, yet nobody has to go looking for the answer once they have tried.
+answer, yet nobody has to go looking for the answer once they have tried. A solution at the top
+level of its cell (an answer such as ``X = ...``, not a function's body) gets no ``raise``: Run All
+must get past the stub as it gets past a function whose body raises only when called, so the cell
+gives the names a placeholder (``X = None``) before the solution, and the check cell says what is
+missing.
 
 A check cell is recognised by what every chapter's check cell already holds, the swap for a stuck
-attendee: ``NAME = exercises.reference("NAME", globals())`` for a name the exercise defines. The
-first later code cell with that line is the exercise's check; an exercise without one is an error,
-so a chapter cannot ship a reveal with nothing to check against. A test regenerates the copies and
+attendee: ``NAME = exercises.reference("NAME", globals())`` for a name the exercise defines (or,
+for an answer that depends on a seeded draw, ``NAME, OTHER = thing.reference()``). The first later
+code cell with such a line is the exercise's check; an exercise without one is an error, so a
+chapter cannot ship a reveal with nothing to check against. A test regenerates the copies and
 fails if the committed ones are stale or if any reveal comes before its check.
 
 Stuck? Every chapter's ``parameters`` cell has ``USE_REFERENCE = False``; set it to ``True`` and
@@ -46,7 +51,8 @@ def split_solution(source: str) -> tuple[str, str]:
                 raise ValueError(f"nested {BEGIN}")
             inside, indent = True, line[: len(line) - len(line.lstrip())]
             student.append(f"{indent}# Your code here")
-            student.append(f"{indent}{STUB}")
+            if indent:  # at the top level the cell runs on (see the module's docstring): the check says what is missing
+                student.append(f"{indent}{STUB}")
         elif stripped == END:
             if not inside:
                 raise ValueError(f"{END} without {BEGIN}")
@@ -97,9 +103,18 @@ def exercise_names(source: str) -> list[str]:
     return [a or b for a, b in DEFINED.findall(source)]
 
 
+SWAP = re.compile(r"^[ \t]*(\w+(?:[ \t]*,[ \t]*\w+)*)[ \t]*=[ \t]*[\w.]+\.reference\(", re.MULTILINE)
+
+
+def swapped_names(source: str) -> list[str]:
+    """The names a cell swaps a reference in for: ``X = exercises.reference("X", globals())`` or
+    ``X, Y = bug.reference()``."""
+    return [name.strip() for targets in SWAP.findall(source) for name in targets.split(",")]
+
+
 def is_check_of(cell, names) -> bool:
     """Whether ``cell`` checks an exercise defining ``names``: it swaps in the reference of one of them."""
-    return cell.cell_type == "code" and any(f'exercises.reference("{name}"' in cell.source for name in names)
+    return cell.cell_type == "code" and bool(set(swapped_names(cell.source)) & set(names))
 
 
 def check_cell_index(cells, exercise: int) -> int:

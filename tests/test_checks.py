@@ -469,10 +469,12 @@ def test_planted_wrong_leak_finder_fails(wrong):
         checks.check_leak_finder(wrong)
 
 
-# ---- chapter 03's planted-bug hunt: four bugs, drawn at random ------------------------------------
+# ---- chapter 03's planted-bug hunt: five bugs in chapter 03's block keeping, drawn at random ------------
 
 from labsupport.checks import mystery  # noqa: E402
 from labsupport.engine import block_pool  # noqa: E402
+
+SEEDS = range(8)  # the seeds an attendee is likely to try: the notebook's default and the next few
 
 
 def _seed_drawing(kind):
@@ -484,60 +486,120 @@ def _notebook_seed():
     return int(re.search(r"^MYSTERY_SEED = (\d+)", params.source, re.MULTILINE).group(1))
 
 
+def _summary(phases):
+    return [(p.tokens, p.hits, p.free_after, p.error) for p in phases]
+
+
+@pytest.fixture(scope="module")
+def bug_runs(prefix_llm):
+    """kind -> the planted-bug engine's phases (one run a kind: the pieces depend on the kind alone)."""
+    return {kind: mystery.workload(prefix_llm, **mystery.planted_pieces(kind)) for kind in mystery.BUG_KINDS}
+
+
 def test_reference_diagnosis_fixes_the_notebooks_planted_bug(admission_solutions, prefix_llm):
     s = admission_solutions
     checks.check_bug_fix(checks.planted_bug(prefix_llm, seed=_notebook_seed()), s["BUGGY_FUNCTION"], s["fixed_piece"])
     assert prefix_llm.stats()["kv_blocks_free"] == 64
-    assert prefix_llm.engine.kv.copy_on_write is block_pool.copy_on_write  # the engine's own pieces are back
+    kv = prefix_llm.engine.kv  # the engine's own pieces are back
+    assert (kv.free_blocks_needed, kv.hold_prefix_blocks, kv.release_blocks) == \
+        (block_pool.free_blocks_needed, block_pool.hold_prefix_blocks, block_pool.release_blocks)
 
 
-def test_the_draw_is_seeded_and_reaches_every_bug(prefix_llm):
+def test_the_draw_is_seeded_and_the_first_seeds_reach_every_bug(prefix_llm):
     reveal = mystery.reveal
     assert reveal(checks.planted_bug(prefix_llm, seed=5)) == reveal(checks.planted_bug(prefix_llm, seed=5))
-    assert {reveal(checks.planted_bug(prefix_llm, seed=s))[0] for s in range(20)} == set(mystery.BUG_KINDS)
+    assert {reveal(checks.planted_bug(prefix_llm, seed=s))[0] for s in SEEDS} == set(mystery.BUG_KINDS)
+
+
+def test_every_bug_sits_in_block_keeping_chapter_03_taught(prefix_llm):
+    """Chapter 03 plants bugs only in what chapters 01-03 taught: no copy-on-write (chapter 04's), no plug point
+    whose fix is another chapter's exercise answer."""
+    taught = {"free_blocks_needed", "hold_prefix_blocks", "release_blocks"}
+    assert set(mystery.FUNCTIONS) == taught
+    assert {mystery.reveal(checks.planted_bug(prefix_llm, seed=s))[1] for s in range(40)} == taught
+    code = "\n".join(c.source for c in read(chapter("03")).cells if c.cell_type == "code")
+    assert "copy_on_write" not in code
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_every_seeds_bug_shows_in_the_evidence(prefix_llm, bug_runs, seed):
+    """Whatever was drawn differs from the engine's own run in at least one column of the evidence table."""
+    bug = checks.planted_bug(prefix_llm, seed=seed)
+    kind, name, _ = mystery.reveal(bug)
+    assert bug.pieces == mystery.planted_pieces(kind)
+    own, phases = bug.own(), bug_runs[kind]
+    assert _summary(phases) != _summary(own)
+    assert mystery.first_difference(phases, own) is not None
+    assert "#" not in bug.source(name) and f"def {name}(" in bug.source(name)  # no comment gives it away
+
+
+def test_each_bug_leaves_its_own_mark(prefix_llm, bug_runs):
+    """The five bugs are told apart by the evidence: where the first difference is, and in which column."""
+    own = mystery.own_run(prefix_llm)
+    marks = {kind: mystery.first_difference(phases, own) for kind, phases in bug_runs.items()}
+    assert len(set(marks.values())) == len(marks), marks
+    assert "blocks were free" in marks["leak"] and "reused" in marks["head_first"]
+    assert "'two at once' failed" in marks["lost_share"] and "'one after' failed" in marks["fresh_block"]
+    assert "'tight pool' failed" in marks["over_admission"] and "MemoryError" in marks["over_admission"]
+
+
+def test_the_reference_fix_passes_for_every_seed(prefix_llm):
+    """``bug.reference()``, what USE_REFERENCE swaps in, fixes whatever the seed drew. Seeds drawing the same bug
+    plant the same pieces and get the same reference, so each distinct (pieces, fix) is checked once."""
+    cases = {}
+    for seed in SEEDS:
+        bug = checks.planted_bug(prefix_llm, seed=seed)
+        name, fix = bug.reference()
+        assert name == mystery.reveal(bug)[1] and fix is getattr(block_pool, name)
+        cases.setdefault((tuple(bug.pieces.items()), name, fix), bug)
+    assert len(cases) == len(mystery.BUG_KINDS)
+    for (_, name, fix), bug in cases.items():
+        checks.check_bug_fix(bug, name, fix)
+        assert mystery.reveal(bug)[2] in bug.reveal() and f"def {name}(" in bug.reveal()
+    assert prefix_llm.stats()["kv_blocks_free"] == 64 and not prefix_llm.engine.kv.tables
+
+
+@pytest.mark.parametrize("kind", mystery.BUG_KINDS)
+def test_a_wrong_name_with_a_plausible_fix_fails_like_no_fix(prefix_llm, bug_runs, kind):
+    """A correct function installed at the wrong plug point leaves the bug in place: the check says where it still
+    shows, in the words of the evidence, and nothing that names (or rules out) the function that carries it."""
+    bug = checks.planted_bug(prefix_llm, seed=_seed_drawing(kind))
+    right = mystery.reveal(bug)[1]
+    wrong = next(f for f in mystery.FUNCTIONS if f != right)
+    with pytest.raises(checks.CheckFailed) as failed:
+        checks.check_bug_fix(bug, wrong, getattr(block_pool, wrong))
+    message = str(failed.value)
+    assert mystery.first_difference(bug_runs[kind], bug.own()) in message
+    assert right not in message and "not where" not in message
+
+
+def test_the_stub_gets_a_message_saying_what_to_set(prefix_llm):
+    bug = checks.planted_bug(prefix_llm, seed=0)
+    with pytest.raises(checks.CheckFailed, match="set BUGGY_FUNCTION to"):
+        checks.check_bug_fix(bug, None, None)
+    with pytest.raises(checks.CheckFailed, match="name one of"):
+        checks.check_bug_fix(bug, "copy_on_write", block_pool.copy_on_write)
+    with pytest.raises(checks.CheckFailed, match="must be a function"):
+        checks.check_bug_fix(bug, "release_blocks", "tail first")
 
 
 def test_a_listing_of_the_module_or_the_bug_does_not_name_the_drawn_function(prefix_llm):
     """The hunt is read from the evidence: neither the module's source nor the planted-bug object's attributes
-    pair a kind of bug with its function or its copy (the check keeps a digest of the answer)."""
+    pair a kind of bug with its function or its copy."""
     import inspect
     source = inspect.getsource(mystery)
     for kind in mystery.BUG_KINDS:
         function = mystery.reveal(checks.planted_bug(prefix_llm, seed=_seed_drawing(kind)))[1]
         assert not re.search(rf"{kind}.{{0,40}}{function}", source, re.DOTALL), kind
-    bug = checks.planted_bug(prefix_llm, seed=_seed_drawing("leak"))
-    assert not [v for v in vars(bug).values() if isinstance(v, str) and v in mystery.FUNCTIONS]
+        bug = checks.planted_bug(prefix_llm, seed=_seed_drawing(kind))
+        assert not [v for v in vars(bug).values() if isinstance(v, str) and v in mystery.FUNCTIONS]
 
 
 def test_the_correct_copies_behave_like_the_engines_own(prefix_llm):
-    own, copies = mystery.workload(prefix_llm), mystery.workload(prefix_llm, **mystery.correct_pieces())
-    assert [(p.tokens, p.hits, p.cow_copies, p.free_after, p.error) for p in copies] == \
-        [(p.tokens, p.hits, p.cow_copies, p.free_after, p.error) for p in own]
-    assert all(p.free_after == 20 and p.error is None for p in own) and own[-1].cow_copies > 0
-
-
-ENGINE_OWN = {"hold_prefix_blocks": block_pool.hold_prefix_blocks, "release_blocks": block_pool.release_blocks,
-              "copy_on_write": block_pool.copy_on_write}
-
-
-@pytest.mark.parametrize("kind", mystery.BUG_KINDS)
-def test_each_planted_bug_is_caught_and_only_its_fix_passes(prefix_llm, kind):
-    """The bug shows in the evidence; the right name with the bug left in fails; a wrong name fails; the right
-    name with a correct function (the engine's own) passes, and the engine gets its own pieces back."""
-    bug = checks.planted_bug(prefix_llm, seed=_seed_drawing(kind))
-    assert mystery.reveal(bug)[0] == kind
-    name = mystery.reveal(bug)[1]
-    own, phases = mystery.workload(prefix_llm), bug.run()
-    summary = [(p.tokens, p.hits, p.cow_copies, p.free_after, p.error) for p in phases]
-    assert summary != [(p.tokens, p.hits, p.cow_copies, p.free_after, p.error) for p in own]
-    assert "#" not in bug.source(name) and f"def {name}(" in bug.source(name)  # no comment gives it away
-    with pytest.raises(checks.CheckFailed):
-        checks.check_bug_fix(bug, next(f for f in mystery.FUNCTIONS if f != name), ENGINE_OWN[name])
-    with pytest.raises(checks.CheckFailed):
-        checks.check_bug_fix(bug, name, bug.pieces[name])
-    checks.check_bug_fix(bug, name, ENGINE_OWN[name])
-    assert prefix_llm.stats()["kv_blocks_free"] == 64 and not prefix_llm.engine.kv.tables
-    assert prefix_llm.engine.kv.release_blocks is block_pool.release_blocks
+    own, copies = mystery.own_run(prefix_llm), mystery.workload(prefix_llm, **mystery.correct_pieces())
+    assert _summary(copies) == _summary(own)
+    assert all(p.free_after == mystery.POOL_BLOCKS and p.error is None for p in own)
+    assert [p.hits for p in own][-1] > 0  # the tight pool's prefix waited for the long request, and was still cached
 
 
 # ---- chapter 04: schedule() ---------------------------------------------------------------------

@@ -20,7 +20,14 @@ def test_every_chapter_has_an_exercise_with_a_revealable_solution(path):
     student = read(exercises.exercise_path(path))
     stubs = [c for c in student.cells if "exercise" in c.metadata.get("tags", [])]
     assert len(stubs) == len(tagged)
-    assert all(exercises.STUB in c.source and exercises.BEGIN not in c.source for c in stubs)
+    assert all("# Your code here" in c.source and exercises.BEGIN not in c.source for c in stubs)
+    for stub, solution in zip(stubs, tagged):
+        # Run All gets past every stub: a stub raises only inside a function, when called by its check; an answer
+        # at the top level keeps the placeholders its cell sets before the solution, and the check says what is missing
+        assert not [line for line in stub.source.splitlines() if line.startswith("raise")], stub.source
+        if exercises.STUB not in stub.source:
+            assert all(f"{name} = None" in stub.source for name in exercises.exercise_names(solution.source)), \
+                f"{path.name}: a top-level answer without its placeholders:\n{stub.source}"
     assert len([c for c in student.cells if is_reveal(c)]) == len(tagged), "one reveal per exercise"
     assert all(not c.get("outputs") for c in student.cells if c.cell_type == "code")
     assert "widgets" not in student.metadata, "stale widget state in the attendee version"
@@ -44,7 +51,7 @@ def test_every_reveal_comes_right_after_its_exercises_check(path):
     for i, solution in zip(stubs, solutions):
         names = re.findall(r"^(?:def|class) (\w+)", solution.source, re.MULTILINE)
         check = next((j for j in range(i + 1, len(cells)) if cells[j].cell_type == "code"
-                      and any(f'{n} = exercises.reference("{n}", globals())' in cells[j].source for n in names)), None)
+                      and set(names) & set(exercises.swapped_names(cells[j].source))), None)
         assert check is not None, f"{path.name}: the exercise defining {names} has no check cell after it"
         early = [j for j in range(i + 1, check) if is_reveal(cells[j])]
         assert not early, f"{path.name}: the reveal of {names} (cell {early[0]}) precedes its check (cell {check})"
@@ -111,6 +118,32 @@ def test_solution_is_cut_out_and_kept_for_the_reveal():
     assert student.rstrip().endswith("return y")
 
 
+def test_a_top_level_answer_gets_no_raise_and_keeps_its_placeholder():
+    """A cell whose solution is at the top level (an answer, not a function's body) must not stop Run All: its
+    stub keeps the placeholder set before the solution, and the check cell says what is missing."""
+    src = "ANSWER = None\n# BEGIN SOLUTION\nANSWER = 42\n# END SOLUTION"
+    student, solution = exercises.split_solution(src)
+    assert "42" not in student and "42" in solution and "raise" not in student
+    scope = {}
+    exec(student, scope)
+    assert scope["ANSWER"] is None
+
+
+def test_a_check_cell_may_swap_in_a_drawn_reference():
+    """An answer that depends on a seeded draw (chapter 03's planted bug) is swapped in from the draw itself."""
+    import nbformat
+
+    new = nbformat.v4
+    nb = new.new_notebook(cells=[
+        new.new_code_cell("NAME = None\n# BEGIN SOLUTION\nNAME = 'a'\n# END SOLUTION", metadata={"tags": ["exercise"]}),
+        new.new_code_cell("print('evidence')"),
+        new.new_code_cell("if USE_REFERENCE:\n    NAME, fix = bug.reference()\ncheck(bug, NAME, fix)")])
+    cells = exercises.student_notebook(nb).cells
+    assert [is_reveal(c) for c in cells] == [False, False, False, True]
+    source = 'x = exercises.reference("x", globals())\na, b = bug.reference()\nc == d.reference()'
+    assert exercises.swapped_names(source) == ["x", "a", "b"]
+
+
 @pytest.mark.parametrize("src", ["x = 1", "# BEGIN SOLUTION\nx = 1", "# END SOLUTION",
                                  "# BEGIN SOLUTION\n# BEGIN SOLUTION\n# END SOLUTION"])
 def test_malformed_solution_markers_are_rejected(src):
@@ -135,7 +168,7 @@ def test_use_reference_swaps_the_reference_in_for_every_exercise(path):
              for m in re.finditer(r"^(def|class) (\w+)", c.source, re.MULTILINE)]
     assert names
     for name in names:
-        assert f'{name} = exercises.reference("{name}", globals())' in code, f"{name} has no USE_REFERENCE swap"
+        assert name in exercises.swapped_names(code), f"{name} has no USE_REFERENCE swap"
         ref = exercises.reference(name, {"torch": torch, "SchedulerOutput": SchedulerOutput})
         assert callable(ref) and ref.__name__ == name
     with pytest.raises(ValueError, match="no exercise"):

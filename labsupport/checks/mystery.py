@@ -1,41 +1,48 @@
-"""Chapter 03's planted-bug hunt: an engine with one bug drawn at random in how blocks are shared and given back.
+"""Chapter 03's planted-bug hunt: an engine with one bug drawn at random in how blocks are admitted, shared and
+given back.
 
-The mystery engine runs the real engine with its three block-keeping plug points (``hold_prefix_blocks``,
-``release_blocks``, ``copy_on_write``) replaced by copies written afresh: two of them behave exactly like the
-engine's own, one carries a bug drawn from four that serving engines have really had (a leak, a lost share, a
-head-first free, a skipped copy-on-write). None of the copies says which is which: the attendee reads the
-evidence a dashboard gives (free blocks, the block map, hits, tokens against the engine's own, copy-on-write
-counts, errors), names the function and writes a fix, and the check runs the fix in the real engine.
+The mystery engine runs the real engine with the three block-keeping plug points of chapter 03's hard exercise
+(``free_blocks_needed``, ``hold_prefix_blocks``, ``release_blocks``) replaced by copies written afresh: two of
+them behave exactly like the engine's own, one carries a bug drawn from five that serving engines have really
+had, all in what chapters 01-03 taught (a leak, a head-first free, a lost share, a fresh block taken for a cached
+hit instead of that very block, an admission that counts a cached hit as free). None of the copies says which is
+which: the attendee reads the evidence a dashboard gives (free blocks, prefix hits, tokens, errors, each beside
+the engine's own; the block map), names the function and writes a fix.
 
-The draw is seeded (``planted_bug(llm, seed)``), so a notebook run is reproducible. The copies live in
-``_mystery_pieces.py``, beside the correct ones, so that reading this file does not point at the answer.
+The check judges the fix by what the engine does with it, never by the name: it installs the fix at the named
+plug point and runs the workload again. A wrong name leaves the bug in place, and the check says which phase
+still differs from the engine's own and how, as the evidence would. The draw is seeded (``planted_bug(llm,
+seed)``), so a notebook run is reproducible, and ``bug.reference()`` is the drawn bug's own fix, for any seed.
+The copies live in ``_mystery_pieces.py``, beside the correct ones, so that reading this file does not point at
+the answer.
 """
 from __future__ import annotations
 
 import base64
 import contextlib
-import hashlib
 import inspect
 import json
 import random
+import weakref
 import zlib
 from dataclasses import dataclass, field
 
 from . import _mystery_pieces as pieces
 from .base import CheckFailed, passed
 
-FUNCTIONS = ("hold_prefix_blocks", "release_blocks", "copy_on_write")
+FUNCTIONS = ("free_blocks_needed", "hold_prefix_blocks", "release_blocks")
 
 # Which copy is correct and which carries which bug, sealed (zlib, then base64) so that a listing of this module
-# does not give the hunt away: kind -> [the function it sits in, its buggy copy in _mystery_pieces, what the
-# check says once it is found], and the correct copy of each function. ``reveal(bug)`` opens it, for the cell
-# after the check and for the tests.
+# does not give the hunt away: kind -> [the function it sits in, its buggy copy in _mystery_pieces, what was
+# wrong], and the correct copy of each function. ``reveal(bug)`` opens it, for the check and for the tests.
 _SEALED = (
-    "eNqFksFOwzAQRH9llAuXHqDcIvgC7lxQFbnOhlhxs8HrNK1Q/5213RYqgTgkstfr8ZuxP6vt/C5Vjc+qJ9M2nQsSdfpWBfJkhJqt"
-    "ZztItcK1sv45KcvoAlGLJIEsUSP2BOlN0PIUqHMHLDRGbI0dSssKwnARixHQ3tlI573VRvVVffiH4/EXDok8TSq0pY4DwY0tHXBf"
-    "aLI4ciO40zMpHBHoYyYpFGMqFSuFgSU22UMm6dm3TfHygyZXH66jm3VE5gEG3u0JffLqYs9zzMG48V3t1/qJUnSwPGs+Oyei/AZJ"
-    "jUIO6Rv+QhsZaltFS+7m7Co1sv6C5uC8xyxnJzK4FEtjeclWLE/HhsdmCS5SYs+DcrM3a0q1m/IlJnQ8PWNdfx+3MMTsJk+iV+/b"
-    "HGLaFmnU6DF5Y2kFMrY/94E14dSRzF9p7wQvr9XmlA8PgWzMD/IWsr5A/pF1asjVX55nWrtUHqrT6Qtr/wnJ"
+    "eNqFVMtu4zAM/BXCl70ERR+3ALs/sigM2aYrIqqUleikQZF/L0nZQeIG20tgkeJwZkjls+mmt9Js4bMZMxbfdiH1Ozn/bXwKQ7vPONJH"
+    "jZZmAzX6cvm6yQOntAMHhgQWgzSOwB41hhCoMIwpy53e9R4H8MRAsTC6Qa5Cxj44eqf4JkWO4YD5VIG2hqLXK25hd5J6gz16Cmj5jP8m"
+    "lB5TkRzxBlwclvZCKUW57Ap4DAN0J4gJ2HUBN1DSdf2vIl8BXam8B+FbuxopRXAhC+WTpZtXdUOO7Ui5sJk3l18Zt0Serw+zb7WJQoBB"
+    "VLHFuyzhajEcMYp2pyTS2lGtMQ1U2eGBesYZzOhJu90PxF7uECuc9nsB6lCmhjKpAT/gsdIz8MuUpafOahmAsogaqtoqh1S4NVE/7dfT"
+    "//cr0KGuwpHYp4nNKd0ZEueIdXgj9GkSw96pFJufomG+DLqSX9iKoyL78H3aCEl+svhAIdhWmZIkwlo3KDilaGq0cqbZRgGRm3KxV8mm"
+    "5nu+MqzkLmu9LOfRY1xJUUv//IbHDdADPsgGHt2pbG+fUuWZ4mpBlIYsO3sxySxwN4NSJaxMbL3XpZPQkVpzsHk9m6osD5WXf4217u2s"
+    "+/n+FDVv0TsvQXNL5Kk5n78AYgmfoQ=="
 )
 
 
@@ -47,7 +54,7 @@ def _piece(name: str):
     return getattr(pieces, name)
 
 
-BUG_KINDS = ("head_first", "leak", "lost_share", "skipped_cow")  # the four bugs' names, sorted: the draw's order
+BUG_KINDS = ("fresh_block", "head_first", "leak", "lost_share", "over_admission")  # sorted: the draw's order
 
 
 def correct_pieces() -> dict:
@@ -61,8 +68,7 @@ def planted_pieces(kind: str) -> dict:
     return {**correct_pieces(), function: _piece(buggy)}
 
 
-def _answer_digest(seed: int, function: str) -> str:
-    return hashlib.sha256(f"{seed}:{function}".encode()).hexdigest()
+POOL_BLOCKS = 20  # the workload's fresh pool: small, so that eviction and a tight admission happen
 
 
 @dataclass
@@ -73,30 +79,34 @@ class Phase:
     tokens: list = field(default_factory=list)
     hits: int = 0
     free_after: int = 0
-    cow_copies: int = 0
     error: str | None = None
     snapshot: dict = field(default_factory=dict)  # the block map after the phase (KVCacheManager.snapshot)
 
 
+def plan(block_size: int) -> list[tuple[str, list[list[int]]]]:
+    """The workload's five phases, (name, prompts): two requests sharing a prefix at once (live sharing), a third
+    after them (a cached hit), a filler that evicts cached blocks, the prefix again (what survived), and a tight
+    pool: a long request holding 16 of the 20 blocks with the prefix behind it, which fits only once it is gone."""
+    bs = block_size
+    prefix = list(range(2000, 2000 + 4 * bs))
+    ask = [prefix + list(range(3000 + 10 * i, 3000 + 10 * i + bs // 2)) for i in range(5)]
+    return [("two at once", [ask[0], ask[1]]), ("one after", [ask[2]]),
+            ("filler", [list(range(5000, 5000 + 16 * bs + bs // 2))]), ("prefix again", [ask[3]]),
+            ("tight pool", [list(range(7000, 7000 + 16 * bs - bs // 2)), ask[4]])]
+
+
 def workload(llm, max_steps: int = 400, **plugged) -> list[Phase]:
-    """Five phases on a fresh 20-block pool of ``llm`` (a prefix-caching paged engine): two requests sharing a
-    prefix at once, a third after them, a filler that evicts cached blocks, the prefix again, and one prompt
-    sampled twice (``n = 2``, seeded). ``plugged``: the plug points to run it on. A phase that raises or stalls
+    """The phases of ``plan`` on a fresh ``POOL_BLOCKS``-block pool of ``llm`` (a prefix-caching paged engine),
+    greedy, half a block of tokens each. ``plugged``: the plug points to run it on. A phase that raises or stalls
     is recorded (evidence too), its requests aborted, and the workload stops there."""
     from ..engine.block_pool import BlockAllocator
     from ..engine.request import SamplingParams
 
     bs = llm.engine.kv.block_size
-    prefix = list(range(2000, 2000 + 4 * bs))
-    ask = [prefix + list(range(3000 + 10 * i, 3000 + 10 * i + bs // 2)) for i in range(4)]
-    greedy = SamplingParams(max_tokens=bs // 2, temperature=0, ignore_eos=True)
-    plan = [("two at once", [ask[0], ask[1]], greedy), ("one after", [ask[2]], greedy),
-            ("filler", [list(range(5000, 5000 + 16 * bs + bs // 2))], greedy), ("prefix again", [ask[3]], greedy),
-            ("two samples", [list(range(7000, 7000 + bs + bs // 4))],
-             SamplingParams(max_tokens=bs // 2, temperature=1.0, seed=3, n=2, ignore_eos=True))]
+    params = SamplingParams(max_tokens=bs // 2, temperature=0, ignore_eos=True)
     engine, phases = llm.engine, []
-    with llm.plugged(block_allocator=BlockAllocator(20), **plugged):
-        for name, prompts, params in plan:
+    with llm.plugged(block_allocator=BlockAllocator(POOL_BLOCKS), **plugged):
+        for name, prompts in plan(bs):
             phase, before = Phase(name), llm.stats()
             reqs = []
             try:
@@ -112,11 +122,10 @@ def workload(llm, max_steps: int = 400, **plugged) -> list[Phase]:
             if phase.error:
                 with contextlib.suppress(Exception):
                     engine.abort_requests([r for r in reqs if not r.is_finished])
-            phase.tokens = [[s.output_token_ids for s in (r, *r.samples)] for r in reqs]
+            phase.tokens = [r.output_token_ids for r in reqs]
             after = llm.stats()
             phase.hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
             phase.free_after = after["kv_blocks_free"]
-            phase.cow_copies = after["cow_copies"] - before["cow_copies"]
             phase.snapshot = engine.kv.snapshot()
             phases.append(phase)
             if phase.error:
@@ -125,28 +134,59 @@ def workload(llm, max_steps: int = 400, **plugged) -> list[Phase]:
     return phases
 
 
+_OWN_RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def own_run(llm) -> list[Phase]:
+    """The workload on ``llm``'s own pieces: run once per engine, then kept (greedy on a fresh pool, it gives the
+    same phases every time), so a check tried again runs only the attendee's fix."""
+    if llm not in _OWN_RUNS:
+        _OWN_RUNS[llm] = workload(llm)
+    return _OWN_RUNS[llm]
+
+
 class PlantedBug:
     """The mystery engine: ``run()`` it, read ``source(name)`` of each function it runs, fix one. (What was
-    drawn is kept only as a digest of the answer: neither this object nor the module's source names it.)"""
+    drawn is not kept: neither this object's attributes nor the module's source name it; ``reference()`` and
+    ``reveal()`` work it out from the seed when asked.)"""
 
     def __init__(self, llm, seed: int):
         self.llm, self.seed = llm, seed
-        kind = random.Random(seed).choice(BUG_KINDS)
-        self._answer = _answer_digest(seed, _unseal()["bugs"][kind][0])
-        self.pieces = planted_pieces(kind)  # plug point -> the function the mystery engine runs
+        self.pieces = planted_pieces(_kind(seed))  # plug point -> the function the mystery engine runs
 
     def run(self) -> list[Phase]:
         return workload(self.llm, **self.pieces)
+
+    def own(self) -> list[Phase]:
+        """The same workload on the engine's own pieces, beside which the run is read."""
+        return own_run(self.llm)
 
     def source(self, name: str) -> str:
         """The code the mystery engine runs at plug point ``name``, under that name."""
         fn = self.pieces[name]
         return inspect.getsource(fn).replace(f"def {fn.__name__}(", f"def {name}(", 1)
 
+    def reference(self):
+        """(the plug point that carries the drawn bug, a correct version of it: the engine's own), for any seed:
+        what ``USE_REFERENCE`` swaps in."""
+        from ..engine import block_pool
+
+        function = reveal(self)[1]
+        return function, getattr(block_pool, function)
+
+    def reveal(self) -> str:
+        """What was planted and its fix: for after the check (the notebook's reveal answers its default seed)."""
+        _, function, diagnosis = reveal(self)
+        return f"seed {self.seed}: {diagnosis}.\nThe fix, the engine's own:\n\n{inspect.getsource(self.reference()[1])}"
+
+
+def _kind(seed: int) -> str:
+    return random.Random(seed).choice(BUG_KINDS)
+
 
 def reveal(bug: PlantedBug) -> tuple[str, str, str]:
-    """(kind, function, diagnosis) of the bug drawn: for the cell after the check, and for the tests."""
-    kind = random.Random(bug.seed).choice(BUG_KINDS)
+    """(kind, function, diagnosis) of the bug drawn: for the check's verdict, ``PlantedBug.reveal`` and the tests."""
+    kind = _kind(bug.seed)
     function, _, diagnosis = _unseal()["bugs"][kind]
     return kind, function, diagnosis
 
@@ -158,41 +198,60 @@ def planted_bug(llm, seed: int = 0) -> PlantedBug:
     return PlantedBug(llm, seed)
 
 
+def _tokens_same(p: Phase, o: Phase) -> str:
+    return "same" if p.tokens == o.tokens else "DIFFERENT"
+
+
 def evidence(phases: list[Phase], own: list[Phase]) -> str:
-    """The dashboard of a run beside the engine's own, one line a phase."""
-    lines = [f"{'phase':14s}{'free after':>11s}{'hits':>6s}{'CoW copies':>11s}  tokens     error"]
+    """The dashboard of a run beside the engine's own, one line a phase: each number as ``run (own)``."""
+    lines = [f"{'phase':14s}{'free blocks after':>20s}{'prefix tokens reused':>23s}  {'tokens':10s} error",
+             f"{'':14s}{'run (own)':>20s}{'run (own)':>23s}  {'vs own':10s}"]
     for p, o in zip(phases, own):
-        same = "same" if p.tokens == o.tokens else "DIFFERENT"
-        lines.append(f"{p.name:14s}{p.free_after:>8d}/20{p.hits:>6d}{p.cow_copies:>11d}  {same:10s} {p.error or '-'}")
+        free = f"{p.free_after}/{POOL_BLOCKS} ({o.free_after})"
+        hits = f"{p.hits} ({o.hits})"
+        lines.append(f"{p.name:14s}{free:>20s}{hits:>23s}  {_tokens_same(p, o):10s} {p.error or '-'}")
+    if len(phases) < len(own):
+        lines.append(f"(the run stopped there: {len(own) - len(phases)} phases not run)")
     return "\n".join(lines)
 
 
-def check_bug_fix(bug: PlantedBug, function_name: str, fixed) -> None:
-    """``function_name``: which of ``FUNCTIONS`` carries the bug; ``fixed``: a correct version of it. The mystery
-    engine runs the workload again with the fix in place of its copy: it must give the engine's own tokens, hits
-    and copy-on-write copies, and free every block after every phase."""
+def first_difference(phases: list[Phase], own: list[Phase]) -> str | None:
+    """How the first phase that differs from the engine's own differs, in the evidence's words; None if none."""
+    for p, o in zip(phases, own):
+        if p.error:
+            return f"phase '{p.name}' failed: {p.error}"
+        if p.free_after != o.free_after:
+            return (f"after phase '{p.name}', {p.free_after} of {POOL_BLOCKS} blocks were free (the engine's own: "
+                    f"{o.free_after})")
+        if p.hits != o.hits:
+            return f"phase '{p.name}' reused {p.hits} prefix tokens (the engine's own: {o.hits})"
+        if p.tokens != o.tokens:
+            return f"phase '{p.name}' generated other tokens than the engine's own"
+    if len(phases) != len(own):
+        return f"the workload stopped after phase '{phases[-1].name}'"
+    return None
+
+
+def check_bug_fix(bug: PlantedBug, function_name, fixed) -> None:
+    """``function_name``: which of ``FUNCTIONS`` carries the bug; ``fixed``: a correct version of it. The fix is
+    installed at that plug point of the mystery engine and the workload runs again: every phase must free every
+    block and give the engine's own tokens and prefix hits. Judged by what the engine does, not by the name: if
+    the bug is still there, the verdict says where it still shows, and nothing about the name."""
+    if function_name is None or fixed is None:
+        raise CheckFailed(f"set BUGGY_FUNCTION to the name of the plug point whose copy carries the bug (one of "
+                          f"{', '.join(FUNCTIONS)}) and fixed_piece to a correct version of it, with the same "
+                          "arguments")
     name = str(function_name).strip()
     if name not in FUNCTIONS:
-        raise CheckFailed(f"name one of {FUNCTIONS}")
-    if _answer_digest(bug.seed, name) != bug._answer:
-        raise CheckFailed(f"{name} is not where the bug is: the copy of it in bug.pieces behaves like the engine's "
-                          "own. Which phase went wrong first, and which function ran in it?")
-    own = workload(bug.llm)
-    try:
-        yours = workload(bug.llm, **{**bug.pieces, name: fixed})
-    except Exception as exc:  # noqa: BLE001 - the attendee's code
-        raise CheckFailed(f"the engine failed on your fix: {type(exc).__name__}: {exc}") from exc
-    for p, o in zip(yours, own):
-        if p.error:
-            raise CheckFailed(f"with your {name}, phase '{p.name}' failed: {p.error}")
-        if p.free_after != 20:
-            raise CheckFailed(f"with your {name}, {20 - p.free_after} blocks were still held after phase '{p.name}'")
-        if p.tokens != o.tokens:
-            raise CheckFailed(f"with your {name}, phase '{p.name}' generated other tokens than the engine's own")
-        if (p.hits, p.cow_copies) != (o.hits, o.cow_copies):
-            raise CheckFailed(f"with your {name}, phase '{p.name}' reused {p.hits} prefix tokens and copied "
-                              f"{p.cow_copies} blocks on write; the engine's own: {o.hits} and {o.cow_copies}")
-    if len(yours) != len(own):
-        raise CheckFailed(f"with your {name} the workload stopped after phase '{yours[-1].name}'")
-    passed(f"{name} is where the bug was ({reveal(bug)[2]}); with your fix the engine freed every block after "
-           f"each of {len(own)} phases and gave its own tokens, hits and copies")
+        raise CheckFailed(f"BUGGY_FUNCTION is {name!r}: name one of {', '.join(FUNCTIONS)}")
+    if not callable(fixed):
+        raise CheckFailed(f"fixed_piece is a {type(fixed).__name__}: it must be a function with the arguments of "
+                          f"{name}")
+    own = bug.own()
+    yours = workload(bug.llm, **{**bug.pieces, name: fixed})
+    difference = first_difference(yours, own)
+    if difference:
+        raise CheckFailed(f"with your {name} in the mystery engine, {difference}. The bug is still there: read the "
+                          "evidence again (which phase went wrong first, in which column) before the code.")
+    passed(f"with your {name} the engine freed every block after each of {len(own)} phases and gave its own tokens "
+           f"and prefix hits. What was planted: {reveal(bug)[2]}")

@@ -10,7 +10,7 @@ names the mistake it sees, then runs the real engine on the attendee's pieces.
 
 The leak detector finds leaked blocks from the block map's snapshot alone (held, yet no request owns
 them), as an engineer would on a dashboard whose free-block count only goes down. The planted bug
-itself, drawn at random from four, is ``mystery.py``'s.
+itself, drawn at random from five, is ``mystery.py``'s.
 """
 from __future__ import annotations
 
@@ -28,12 +28,11 @@ def _allocator(n=8):
 def _check_cost(free_blocks_needed):
     cases = [  # (ref counts, hit blocks, blocks the request will hold, expected, the mistake if wrong)
         ([1, 1, 1, 0, 0, 0, 0, 0], [0, 1], 3, 1, "the 2 hit blocks are live (ref count 1: another request holds "
-         "them), so they are shared and cost no free block; only the third block is new"),
-        ([0] * 8, [0, 1], 3, 3, "the 2 hit blocks are free but cached: taking them back removes them from the free "
-         "list, so each costs a free block just like a new one (counting them as already yours admits a request "
-         "that runs out of blocks mid-step)"),
-        ([2, 0, 0, 0, 0, 0, 0, 0], [0, 1], 4, 3, "block 0 is live (shared, free of charge), block 1 is free but "
-         "cached (costs one): 4 - 1 = 3"),
+         "them) and the third block is new"),
+        ([0] * 8, [0, 1], 3, 3, "the 2 hit blocks are free but cached (ref count 0, still on the "
+         "free list); too few admits a request that runs out of blocks mid-step"),
+        ([2, 0, 0, 0, 0, 0, 0, 0], [0, 1], 4, 3, "block 0 is live (ref count 2), block 1 is free but cached "
+         "(ref count 0), two blocks are new"),
         ([1, 1, 0, 0, 0, 0, 0, 0], [], 5, 5, "no hit: every block is new"),
         ([1, 0, 0, 0, 0, 0, 0, 0], [0], 1, 0, "a request whose only block is a live hit needs no free block"),
     ]
@@ -41,7 +40,8 @@ def _check_cost(free_blocks_needed):
         got = free_blocks_needed(list(refs), list(hit), n)
         if got != want:
             raise CheckFailed(f"free_blocks_needed(ref_counts={refs}, hit_blocks={hit}, num_blocks={n}) returned "
-                              f"{got}, expected {want}: {why}")
+                              f"{got}, expected {want} ({why}): it must be exactly the number of blocks the free "
+                              f"list loses when the request is admitted")
 
 
 def _check_hold(hold_prefix_blocks):
@@ -49,17 +49,17 @@ def _check_hold(hold_prefix_blocks):
     a = [alloc.allocate() for _ in range(3)]  # request A holds blocks 0, 1, 2
     hold_prefix_blocks(alloc, a[:2])
     if alloc.ref_counts[:3] != [2, 2, 1] or alloc.num_free != 5:
-        raise CheckFailed(f"A holds blocks {a}; holding the live hit {a[:2]} for B should share them (ref counts "
-                          f"[2, 2, 1], 5 blocks still free), got ref counts {alloc.ref_counts[:3]} and "
-                          f"{alloc.num_free} free. Use allocator.share(block) for a block whose ref count is > 0")
+        raise CheckFailed(f"A holds blocks {a}; after B holds the live hit {a[:2]} too, each of those blocks has "
+                          f"two holders and nothing left the free list (ref counts [2, 2, 1], 5 blocks still free): "
+                          f"got ref counts {alloc.ref_counts[:3]} and {alloc.num_free} free")
     for block in [2, 1, 0, 1, 0]:
         alloc.free(block)  # A and B leave: all free again, blocks 0 and 1 still hold their KV
     hold_prefix_blocks(alloc, [0, 1])
     if alloc.ref_counts[:2] != [1, 1] or 0 in alloc.free_blocks or 1 in alloc.free_blocks:
-        raise CheckFailed(f"blocks 0 and 1 are free but cached; holding them must take exactly those blocks off the "
-                          f"free list (allocator.reclaim(block)) with ref count 1: got ref counts "
-                          f"{alloc.ref_counts[:2]}, free list {list(alloc.free_blocks)}. allocate() would return some "
-                          "other block, whose contents are garbage for this request")
+        raise CheckFailed(f"blocks 0 and 1 are free but cached; after holding them the request holds exactly those "
+                          f"blocks (they hold its KV: any other block's contents are garbage for it), each with ref "
+                          f"count 1 and off the free list: got ref counts {alloc.ref_counts[:2]}, free list "
+                          f"{list(alloc.free_blocks)}")
     if alloc.num_free != 6 or any(alloc.ref_counts[2:]):
         raise CheckFailed(f"holding 2 cached blocks should leave 6 of 8 free and touch no other block: "
                           f"{alloc.num_free} free, ref counts {alloc.ref_counts}")
@@ -76,7 +76,7 @@ def _check_release(release_blocks):
     release_blocks(alloc, table)
     if alloc.ref_counts[5] != 1 or 5 in alloc.free_blocks:
         raise CheckFailed("block 5 was shared (ref count 2): releasing one request must leave it held by the other "
-                          f"(ref count 1, not free); got ref count {alloc.ref_counts[5]}. Free through allocator.free")
+                          f"(ref count 1, not free); got ref count {alloc.ref_counts[5]}")
     if alloc.ref_counts[7] != 0 or 7 not in alloc.free_blocks:
         raise CheckFailed("block 7 was held by this request only: after release it must be free")
     alloc = _allocator()
@@ -92,10 +92,10 @@ def _check_release(release_blocks):
     if sorted(order) != sorted(table):
         raise CheckFailed(f"releasing {table} must free every block once: the free list ends {order}")
     if order != table[::-1]:
-        raise CheckFailed(f"releasing block table {table} freed them in the order {order}. Free the tail first "
-                          f"({table[::-1]}), by position in the table, not by block id: allocate() takes the least "
-                          "recently freed block, so the blocks freed last (the prefix, the part other requests "
-                          "share) stay cached longest")
+        raise CheckFailed(f"releasing block table {table} freed them in the order {order}. allocate() takes the "
+                          "least recently freed block, so this order leaves the blocks other requests can reuse (the "
+                          "start of the table, which every request with the same prompt shares) to be overwritten "
+                          "before the ones only this request had")
 
 
 def admission_scenario(llm, **pieces):
@@ -134,8 +134,7 @@ def check_prefix_admission(free_blocks_needed, hold_prefix_blocks, release_block
         except CheckFailed:
             raise
         except Exception as exc:  # noqa: BLE001 - the attendee's code: report it
-            raise CheckFailed(f"{name} raised {type(exc).__name__}: {exc}. (share() refuses a free block, "
-                              f"reclaim() a held one: look at the block's ref count first)") from exc
+            raise CheckFailed(f"{name} raised {type(exc).__name__}: {exc}") from exc
     passed("free_blocks_needed counts live hits as free of charge and cached ones as a block each; "
            "hold_prefix_blocks shares or reclaims; release_blocks frees tail first")
     if llm is None:
@@ -153,11 +152,11 @@ def check_prefix_admission(free_blocks_needed, hold_prefix_blocks, release_block
     names = ["two requests at once", "a third after them", "a filler", "the prefix after the filler"]
     for name, a, b in zip(names, yours[0], own[0]):
         if a != b:
-            raise CheckFailed(f"{name}: the engine generated other tokens on your pieces ({a} vs {b}): a hit block "
-                              "must be the very block that holds the KV")
+            raise CheckFailed(f"{name}: the engine generated other tokens on your pieces ({a} vs {b}): a request "
+                              "read KV that is not its prefix's")
     if yours[1] != own[1]:
         raise CheckFailed(f"prefix-cache hits (tokens) per phase were {yours[1]} on your pieces, {own[1]} on the "
-                          f"engine's ({', '.join(names)}): your free order evicts other blocks first")
+                          f"engine's ({', '.join(names)}): under eviction, other blocks were overwritten than the engine's")
     if yours[2] != (0, False):
         raise CheckFailed(f"after the run {yours[2][0]} blocks are still held: a block leaked")
     passed(f"the engine ran 5 requests on a 20-block pool on your pieces: same tokens, same hits per phase "
@@ -185,7 +184,7 @@ def check_leak_finder(find_leaked_blocks, llm=None):
         got = sorted(find_leaked_blocks(snap))
         if got != want:
             raise CheckFailed(f"ref_counts {snap['ref_counts']}, owners {snap['owners']}: expected {want}, got {got} "
-                              f"({why}). A block leaks when its ref count exceeds the number of requests that own it")
+                              f"({why})")
     passed("find_leaked_blocks finds held blocks nobody owns, and shares nobody gave back, in 4 pools")
     if llm is None:
         return
