@@ -321,13 +321,15 @@ class Share:
         return self.k / self.n if self.n else math.nan
 
     def __str__(self) -> str:
-        return (f"{100 * self.value:.0f} % ({self.k:,}/{self.n:,}; {100 * self.confidence:.0f} % interval "
-                f"{100 * self.low:.0f}-{100 * self.high:.0f} %)")
+        return (f"{100 * self.value:.1f} % ({self.k:,}/{self.n:,}; {100 * self.confidence:.0f} % interval "
+                f"{100 * self.low:.1f}-{100 * self.high:.1f} %)")
 
 
 def share_interval(k: int, n: int, confidence: float = CONFIDENCE) -> Share:
-    """A share counted over ``n`` trials with its exact binomial interval: how far chance alone, over that many
-    requests, could move it. Two shares differ in this discipline only when their intervals do not overlap."""
+    """A share counted over ``n`` trials with its exact binomial interval: how far chance alone could move it if
+    the trials were independent. Two shares differ in this discipline only when their intervals do not overlap.
+    Requests that queue together are not independent (a burst makes several miss at once), so for them the
+    interval is a lower bound on the spread: rerunning with another arrival seed is the A/A that shows the rest."""
     if not 0 <= k <= n or n < 1:
         raise ValueError(f"a share needs 0 <= k <= n and n >= 1, got {k}/{n}")
     from scipy.stats import binomtest

@@ -209,7 +209,7 @@ def test_share_interval_is_exact_and_narrows_with_more_requests():
     assert few.value == 0.75 and many.value == 0.75
     assert few.low < many.low <= 0.75 <= many.high < few.high  # same share, 25x the requests: a narrower interval
     assert share_interval(0, 10).low == 0.0 and share_interval(10, 10).high == 1.0
-    assert "75 % (150/200" in str(many)
+    assert "75.0 % (150/200" in str(many)
     for k, n in ((3, 2), (-1, 4), (0, 0)):
         with pytest.raises(ValueError):
             share_interval(k, n)

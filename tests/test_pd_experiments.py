@@ -56,15 +56,6 @@ def test_slo_grid_judges_a_measured_cell_without_running_it_and_runs_the_others(
     assert grid[(512, 3.0)]["colocated"]["good"] == 0
 
 
-def test_crossover_calls_one_request_level_and_two_a_win():
-    cells = {(512, 1.0): {"1P+1D": {"good": 9}, "colocated": {"good": 10}},
-             (512, 3.0): {"1P+1D": {"good": 7}, "colocated": {"good": 4}},
-             (1024, 1.0): {"1P+1D": {"good": 5}, "colocated": {"good": 8}}}
-    x = pdx.crossover(cells, "1P+1D", "colocated")
-    assert x["cells"] == {(512, 1.0): "level", (512, 3.0): "split", (1024, 1.0): "together"}
-    assert x["split_pays"] == [(512, 3.0)] and x["together_pays"] == [(1024, 1.0)]
-
-
 def test_busy_during_counts_only_the_overlap_of_steps():
     steps = [{"start": 0.0, "end": 1.0}, {"start": 2.0, "end": 3.0}, {"start": 5.0, "end": 6.0}]
     assert pdx.busy_during(steps, 0.5, 2.5) == pytest.approx(1.0)

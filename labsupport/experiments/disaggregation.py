@@ -15,8 +15,8 @@ What is measured, and why:
   short ones' P99 ITL and TPOT show how much a long prefill stalls everyone's next token.
 * **SLO attainment against rate** (``attainment_sweep``): DistServe's goodput method, the share
   of requests inside both the TTFT and the TPOT SLO at each rate; the best rate with >= 90 %.
-* **Where the split stops paying** (``slo_grid``, ``crossover``): the same attainment over load x
-  long-prompt length, colocated against 1P+1D cell by cell.
+* **Where the split stops paying** (``slo_grid``): the same attainment over load x long-prompt
+  length, colocated against 1P+1D cell by cell (at GPU scale: ``sim.pd_cluster.slo_grid``, ``crossover``).
 * **Transfer cost** (``transfer_costs``): pull time against KV bytes, the achieved GB/s beside
   the raw loopback TCP bandwidth (``loopback_bandwidth``) of the same machine.
 * **1P+1D's TTFT in parts** (``ttft_parts``): each request's wait, one-core prefill, hand-off, pull
@@ -273,19 +273,6 @@ def slo_grid(deployments: list[Deployment], loads: dict, slo: dict, seed: int = 
         return run(d, requests, cell[1], seed)
     return {cell: {d.name: slo_cell(result(d, cell, requests), slo, max_prompt_len) for d in deployments}
             for cell, requests in loads.items()}
-
-
-def crossover(grid: dict, split: str, together: str) -> dict:
-    """Where the split paid, and where it stopped: each cell of ``slo_grid`` called ``"split"`` (``split``
-    served at least two more requests inside the SLO than ``together``), ``"together"`` (the reverse) or
-    ``"level"`` (within one request: with a dozen requests a cell, one is noise). Returns
-    ``{"cells": {cell: verdict}, "split_pays": [cells], "together_pays": [cells]}``, cells sorted."""
-    verdicts = {}
-    for cell in sorted(grid):
-        diff = grid[cell][split]["good"] - grid[cell][together]["good"]
-        verdicts[cell] = "split" if diff >= 2 else "together" if diff <= -2 else "level"
-    return {"cells": verdicts, "split_pays": [c for c, v in verdicts.items() if v == "split"],
-            "together_pays": [c for c, v in verdicts.items() if v == "together"]}
 
 
 def prefill_stalls(timelines: dict, long_from: int) -> dict:

@@ -422,7 +422,8 @@ def crossover(grid: dict, slo: str, split: str, together: str) -> dict:
 def goodput_rates(grid: dict, slo: str, name: str, target: float = 0.9) -> dict:
     """DistServe's goodput from a ``(length, rate)`` grid: per length, the highest rate at which ``name`` kept at
     least ``target`` of the judged requests inside ``slo``, every lower rate of the grid too (0.0: not even the
-    lowest)."""
+    lowest). Judged on the shares' point values: where a share's interval straddles ``target``, the goodput could
+    be the grid's next rate either way."""
     out = {}
     for length in sorted({c[0] for c in grid}):
         best = 0.0
