@@ -261,3 +261,32 @@ def test_slo_grid_judges_short_requests_and_the_crossover_follows_the_intervals(
     assert g[4096] == (4 if light["pd"]["distserve"].value >= 0.9 else 0.0)
     with pytest.raises(ValueError):
         judge([], {"e2e": 1.0})
+
+
+def test_judge_reads_ttft_mean_gap_and_longest_gap_of_the_short_requests_only():
+    from types import SimpleNamespace
+
+    from labsupport.sim.pd_cluster import judge
+
+    def out(prompt_len, ttft, gaps):
+        m = SimpleNamespace(ttft=ttft, latency=ttft + sum(gaps), itl=list(gaps))
+        return SimpleNamespace(prompt_token_ids=[1] * prompt_len, token_ids=[1] * (len(gaps) + 1), metrics=m)
+    outs = [out(10, 0.1, [0.01] * 9),                 # inside everything
+            out(10, 0.1, [0.01] * 8 + [0.05]),        # mean gap 0.0144 s: inside TPOT 20 ms, outside a 30 ms longest gap
+            out(10, 0.3, [0.01] * 9),                 # TTFT too late
+            out(500, 9.0, [1.0] * 9)]                 # a long prompt: not judged with max_prompt_len
+    assert (judge(outs, {"ttft": 200, "tpot": 20}, max_prompt_len=100).k,
+            judge(outs, {"ttft": 200, "tpot": 20}, max_prompt_len=100).n) == (2, 3)
+    assert judge(outs, {"ttft": 200, "itl": 30}, max_prompt_len=100).k == 1
+    assert judge(outs, {"ttft": 200}).n == 4
+
+
+def test_goodput_rates_stops_at_the_first_rate_below_the_target():
+    from labsupport.measure import share_interval
+    from labsupport.sim.pd_cluster import goodput_rates
+
+    def cell(k):
+        return {"a": {"slo": share_interval(k, 100)}}
+    grid = {(1024, 1): cell(99), (1024, 2): cell(95), (1024, 4): cell(80), (1024, 8): cell(95),  # 8 passes again
+            (2048, 1): cell(50), (2048, 2): cell(99)}
+    assert goodput_rates(grid, "slo", "a") == {1024: 2, 2048: 0.0}

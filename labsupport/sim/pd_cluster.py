@@ -397,9 +397,11 @@ def slo_grid(cells: dict, layouts: dict, slos: dict, profile, max_prompt_len: in
              progress=None, **options) -> dict:
     """Every cell's workload (``{cell: [BenchRequest]}``) through every layout (``{name: simulate_pd's layout
     arguments}``, e.g. ``{"colocated x2": {"layout": "colocated", "replicas": 2}, "1P1D": {"layout": "1P1D"}}``),
-    judged by every SLO (``{slo name: judge's slo}``): ``{cell: {layout: {slo name: Share, "itl": the judged
+    judged by every SLO (``{slo name: judge's slo}``): ``{cell: {layout: {slo name: Share, "gaps_ms": the judged
     requests' gaps (ms)}}}``. ``options``: ``simulate_pd``'s, for every layout. ``progress``: a tqdm-like
     wrapper for the cells."""
+    if "gaps_ms" in slos:
+        raise ValueError("'gaps_ms' names the judged requests' gaps in each entry: give the SLO another name")
     grid = {}
     for cell, workload in (progress or (lambda x, **_: x))(list(cells.items()), desc="simulated cells"):
         grid[cell] = {}
@@ -407,7 +409,7 @@ def slo_grid(cells: dict, layouts: dict, slos: dict, profile, max_prompt_len: in
             _, _, outputs = simulate_pd_run(workload, profile, **{**options, **layout})
             judged = [o for o in outputs if max_prompt_len is None or len(o.prompt_token_ids) < max_prompt_len]
             grid[cell][name] = {**{s: judge(outputs, slo, max_prompt_len) for s, slo in slos.items()},
-                                "itl": [g * 1000 for o in judged for g in o.metrics.itl]}
+                                "gaps_ms": [g * 1000 for o in judged for g in o.metrics.itl]}
     return grid
 
 
