@@ -337,6 +337,31 @@ def share_interval(k: int, n: int, confidence: float = CONFIDENCE) -> Share:
     return Share(k, n, float(ci.low), float(ci.high), confidence)
 
 
-def share_verdict(a: Share, b: Share, higher: str = "higher", lower: str = "lower") -> str:
-    """``higher`` when b's whole interval lies above a's, ``lower`` when below, else ``"level"``."""
-    return higher if b.low > a.high else lower if b.high < a.low else "level"
+def share_verdict(a: Share, b: Share, higher: str = "higher", lower: str = "lower",
+                  aa: tuple[Share, Share] | None = None) -> str:
+    """``higher`` when b's whole interval lies above a's, ``lower`` when below, else ``"level"``.
+
+    ``aa``: the same configuration as ``a`` run again with other arrivals (an A/A pair). Queued requests are not
+    independent, so the binomial intervals can part where a rerun would move the share as far: with ``aa`` the
+    word also needs the gap between ``a`` and ``b`` to exceed the A/A pair's own gap."""
+    word = higher if b.low > a.high else lower if b.high < a.low else "level"
+    if aa is not None and word != "level" and abs(b.value - a.value) <= abs(aa[0].value - aa[1].value):
+        return "level"
+    return word
+
+
+def aa_gap(aa: tuple[Share, Share]) -> str:
+    """The A/A pair's gap as text, for the sentence beside a verdict: "A/A gap 1.2 points (n 1,000 each)"."""
+    return f"A/A gap {100 * abs(aa[0].value - aa[1].value):.1f} points (n {aa[0].n:,} and {aa[1].n:,})"
+
+
+def goodput_rate(rates: Iterable[float], shares: Iterable[Share], target: float = 0.9) -> float | None:
+    """DistServe's goodput over a sweep: the highest of ``rates`` (ascending) whose share met ``target``, every lower
+    rate too (None: not even the lowest). Judged on point values: where an interval straddles ``target``, the
+    goodput could be the sweep's next rate either way, and the sentence beside it should say so."""
+    best = None
+    for rate, share in zip(rates, shares):
+        if share.value < target:
+            break
+        best = rate
+    return best

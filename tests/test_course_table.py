@@ -159,7 +159,7 @@ def test_quick_run_of_two_rows_on_loopback(tmp_path):
     assert main(argv) == 0
     t = json.loads(out.read_text())
     rows = {r["chapter"]: r for r in t["rows"]}
-    assert list(rows) == ["02", "03"] and t["usd_per_hour"] == 0.10 and t["schema"] == ct.SCHEMA == 2
+    assert list(rows) == ["02", "03"] and t["usd_per_hour"] == 0.10 and t["schema"] == ct.SCHEMA == 3
     assert t["workload"]["poisson"]["burstiness"] == 1.0 and t["workload"]["bursty"]["burstiness"] == 0.5
     assert all(r["kv_blocks"] == ct.QUICK.kv_blocks for r in rows.values())
     for r in rows.values():

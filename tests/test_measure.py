@@ -221,3 +221,15 @@ def test_share_verdict_calls_a_difference_only_when_the_intervals_part():
     assert share_verdict(share_interval(150, 200), share_interval(100, 200)) == "lower"
     assert share_verdict(share_interval(100, 200), share_interval(150, 200), "ahead", "behind") == "ahead"
     assert share_verdict(share_interval(150, 200), share_interval(140, 200)) == "level"
+
+
+def test_share_verdict_with_an_aa_pair_needs_a_gap_wider_than_the_rerun_moved():
+    """Queued requests are not independent trials: where a rerun of A on other arrivals moved its share as far as
+    B differs from A, the binomial intervals parting is not enough."""
+    from labsupport.measure import aa_gap, share_interval, share_verdict
+    a, b = share_interval(900, 1000), share_interval(800, 1000)  # intervals part: "lower" without an A/A pair
+    assert share_verdict(a, b) == "lower"
+    assert share_verdict(a, b, aa=(a, share_interval(880, 1000))) == "lower"  # the rerun moved 2 points, B 10
+    assert share_verdict(a, b, aa=(a, share_interval(780, 1000))) == "level"  # the rerun moved 12 points
+    assert share_verdict(share_interval(6, 8), share_interval(4, 8), aa=(a, a)) == "level"  # still needs parted intervals
+    assert aa_gap((a, share_interval(880, 1000))) == "A/A gap 2.0 points (n 1,000 and 1,000)"

@@ -261,6 +261,17 @@ def test_slo_grid_judges_short_requests_and_the_crossover_follows_the_intervals(
     assert g[4096] == (4 if light["pd"]["distserve"].value >= 0.9 else 0.0)
     with pytest.raises(ValueError):
         judge([], {"e2e": 1.0})
+    # the A/A pair: colocated once more on other arrivals; a word survives only where the gap beats what it moved
+    others = {c: long_short_workload(200, c[1], 256, 64, 4096, seed=100 + c[1]) for c in cells}
+    again = slo_grid(cells, layouts, slos, GPU, max_prompt_len=257, again=("colo", others), **opts)
+    for cell, row in again.items():
+        assert row["colo"] == grid[cell]["colo"] and row["pd"] == grid[cell]["pd"]  # the same runs, one more beside
+        aa_gap = abs(row["colo"]["stutter"].value - row["colo (again)"]["stutter"].value)
+        word = crossover(again, "stutter", "pd", "colo")[cell]
+        if word != "level":
+            assert abs(row["pd"]["stutter"].value - row["colo"]["stutter"].value) > aa_gap
+        planted = {**row, "colo (again)": {**row["colo (again)"], "stutter": row["pd"]["stutter"]}}  # A/A as wide as A/B
+        assert crossover({cell: planted}, "stutter", "pd", "colo")[cell] == "level"
 
 
 def test_judge_reads_ttft_mean_gap_and_longest_gap_of_the_short_requests_only():

@@ -188,8 +188,8 @@ def test_the_verdict_calls_a_difference_only_when_the_intervals_part():
 def test_simulated_routing_runs_the_attendees_policy_unchanged_and_shedding_pays_under_overload(reference):
     """The router's own policies and the attendee's function on simulated engines: at 1.5x what the engines
     sustained, refusing what cannot make the target keeps more of 600 requests within it than round robin."""
-    from labsupport.checks.slo_routing import RoutingLoad, format_routing, simulated_routing
-    from labsupport.measure import share_interval
+    from labsupport.checks.slo_routing import AGAIN, RoutingLoad, format_routing, simulated_routing
+    from labsupport.measure import share_interval, share_verdict
     calls = []
 
     def counted(prompt_tokens, loads, slo_ttft_s):
@@ -201,7 +201,9 @@ def test_simulated_routing_runs_the_attendees_policy_unchanged_and_shedding_pays
     assert len(calls) == 600 and r["simulated"]
     assert all(row["within"] + row["late"] + row["shed"] == 600 for row in rows.values())
     assert rows["round robin"]["shed"] == 0 and rows["your SLO-aware"]["shed"] > 0
-    mine, rr = (share_interval(rows[n]["within"], 600) for n in ("your SLO-aware", "round robin"))
+    mine, rr, rr2 = (share_interval(rows[n]["within"], 600) for n in ("your SLO-aware", "round robin", AGAIN))
     assert mine.low > rr.high, format_routing(r, load)
+    assert rows[AGAIN]["shed"] == 0 and len(calls) == 600  # the A/A row is round robin: the policy is not asked
+    assert share_verdict(rr, mine, "ahead", "behind", aa=(rr, rr2)) == "ahead", format_routing(r, load)
     assert simulated_routing(reference, "h100-llama-3.1-8b", load, max_num_seqs=256,
                              max_num_batched_tokens=8192)["rows"] == r["rows"]  # the same inputs, the same run

@@ -278,13 +278,20 @@ def verdict(result: dict, threshold: float = 0.9) -> str:
             f"{', '.join(below) if below else 'none'}.")
 
 
-def simulated_routing(choose_worker, profile, load: RoutingLoad, replicas: int = 2, **engine_options) -> dict:
+AGAIN = "round robin (again)"  # simulated_routing's A/A row: round robin on other arrivals of the same mix
+
+
+def simulated_routing(choose_worker, profile, load: RoutingLoad, replicas: int = 2, again: bool = True,
+                      **engine_options) -> dict:
     """``compare_routing``'s experiment on a simulated clock (``labsupport.sim``): ``replicas`` simulated engines of
     ``profile`` behind the router's own policies — round robin, least loaded and ``SLOAware(choose_worker)``, the
     attendee's function unchanged — with the same calibration (each engine's lone TTFT of a long prompt sets the
     target; seconds per prompt token sustained in a burst of the mix, every engine busy), the same offered rate
     (``load.load`` times what they sustain) and gamma arrivals, at a request count two cores cannot reach in real
-    time. Returns ``compare_routing``'s dict (rows, calibration, rate) plus ``"simulated": True`` and the profile."""
+    time. Every policy sees the same arrivals; with ``again``, a fourth row (``AGAIN``) runs round robin once more on
+    other arrivals of the same mix: the A/A pair whose gap a verdict between policies must exceed
+    (``measure.share_verdict``'s ``aa``), since requests queued together are not independent trials.
+    Returns ``compare_routing``'s dict (rows, calibration, rate) plus ``"simulated": True`` and the profile."""
     from ..bench.offline.workload import BenchRequest
     from ..pd.routing import SLOAware
     from ..sim.pd_cluster import Cluster
@@ -310,11 +317,13 @@ def simulated_routing(choose_worker, profile, load: RoutingLoad, replicas: int =
     capacity = sum(1 / (s * sum(lengths) / len(lengths)) for s in spt.values())
     rate = load.load * capacity
     rows = []
-    for k, (label, name) in enumerate([("round robin", "round_robin"), ("least loaded", "least_loaded"),
-                                       ("your SLO-aware", None)]):
+    runs = [("round robin", "round_robin"), ("least loaded", "least_loaded"), ("your SLO-aware", None)]
+    for k, (label, name) in enumerate(runs + ([(AGAIN, "round_robin")] if again else [])):
         policy = name or SLOAware(choose_worker, slo, spt)
-        workload = with_gamma_arrivals(requests(lengths, load.seed + k, load.output_len), rate, load.burstiness,
-                                       load.seed)
+        arrivals = load.seed if label != AGAIN else load.seed + 4000  # the A/A run: other arrivals and order
+        order = lengths if label != AGAIN else load.lengths(load.num_requests, load.seed + 4000)
+        workload = with_gamma_arrivals(requests(order, load.seed + k, load.output_len), rate, load.burstiness,
+                                       arrivals)
         cluster, outputs, duration = run(workload, policy)
         shed = sum(t.shed for t in cluster.traces.values())
         ttfts = sorted(o.metrics.ttft for o in outputs)

@@ -16,9 +16,10 @@ driven over HTTP by ``bench serve``'s client (``serve_bench.benchmark``), one ro
   both the TTFT and the TPOT target), TTFT P50 and tail, the server's queueing time and prefix-cache hit
   rate (from its ``/metrics``). Side by side they show what burstiness alone costs each row.
 
-Every measurement sends ``num_requests`` (100) requests, so its TTFT tail is a real P99. A tail is called
-P99 only with ``MIN_P99_SAMPLES`` samples; below that it is the max, and says so (row 00, which recomputes
-every token, runs only its first ``row00_requests``: its tails are maxima).
+Every measurement of every row sends the same ``num_requests`` (100) requests, row 00 too (it recomputes every
+token, so its three runs take about half an hour: the price of a starting line with the same n as the rows it
+is compared with). A tail is called P99 only with ``MIN_P99_SAMPLES`` samples; below that it is the max, and
+says so.
 
     python -m labsupport bench course-table --json labsupport/data/course_table_cpu.json --plot t.png
 
@@ -45,9 +46,9 @@ ROW_IDS = ("00", "01", "02", "03", "04", "05", "06", "07", "08")
 
 @dataclass(frozen=True)
 class Sizes:
-    """Everything that sizes the run. The defaults take about 25 minutes on 2 CPU cores: each row's two load
-    runs last about ``num_requests / rate`` seconds each, whatever the row. Chapter 00 (no KV cache: every
-    step recomputes every token) gets the first ``row00_requests`` of the same workload only."""
+    """Everything that sizes the run. The defaults take about an hour on 2 CPU cores: each row's two load
+    runs last at least ``num_requests / rate`` seconds each; row 00 (no KV cache: every step recomputes every
+    token) serves about 3 output tokens/s, so it drains each of its runs for about ten minutes."""
 
     num_requests: int = 100  # per measurement (capacity, bursty, poisson: three different question sets)
     system_tokens: int = 160  # of the handbook, shared by every request
@@ -61,7 +62,6 @@ class Sizes:
     kv_blocks: int = 28  # the KV budget of every row, in blocks of block_size tokens (bytes: kv_bytes)
     max_model_len: int = 512
     chunk_tokens: int = 64  # chapter 05's step budget (max_num_batched_tokens)
-    row00_requests: int = 4
     kv_bytes_per_token: int = 0  # filled from the model's config
 
     @property
@@ -69,7 +69,7 @@ class Sizes:
         return self.kv_blocks * self.block_size * self.kv_bytes_per_token
 
 
-QUICK = Sizes(num_requests=4, system_tokens=64, output_lens=(4, 8), rate=4.0, row00_requests=2, kv_blocks=16)
+QUICK = Sizes(num_requests=4, system_tokens=64, output_lens=(4, 8), rate=4.0, kv_blocks=16)
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,7 @@ def rows() -> list[Row]:
     chunked = dict(enable_chunked_prefill=True)
     return [
         Row("00", "from model to API", dict(kv_cache="none", **static, **nopc),
-            note="no KV cache: every step recomputes every token, so it ran only the first requests of the "
-                 "workload (its rates are per token and per request, comparable)"),
+            note="no KV cache: every step recomputes every token"),
         Row("01", "KV cache", dict(kv_cache="contiguous", **static, **nopc),
             note="reserves prompt + max_tokens per request; with ignore_eos that is exactly what it uses"),
         Row("02", "PagedAttention", dict(kv_cache="paged", **static, **nopc),
@@ -279,8 +278,6 @@ def measure_row(row: Row, s: Sizes, loads: dict, usd_per_hour: float, folder: st
         warm.raise_for_status()
         busy0, own0, t1 = *_cpu_seconds(procs), time.perf_counter()
         for name, (requests, rate, burstiness) in loads.items():
-            if row.chapter == "00":
-                requests = requests[:s.row00_requests]
             out[name] = load_run(url, metrics_url, model, requests, rate, burstiness, s, usd_per_hour, seed=1)
         busy1, own1 = _cpu_seconds(procs)  # what other processes took of the cores while this row was measured
         share = ((busy1 - busy0) - (own1 - own0)) / ((time.perf_counter() - t1) * (os.cpu_count() or 1))
@@ -293,7 +290,8 @@ def measure_row(row: Row, s: Sizes, loads: dict, usd_per_hour: float, folder: st
     return out
 
 
-SCHEMA = 2  # 2: Poisson beside gamma in every row, 100 requests per measurement, one KV budget (row 07 split)
+SCHEMA = 3  # 2: Poisson beside gamma in every row, 100 requests per measurement, one KV budget (row 07 split);
+           # 3: row 00 runs the same 100 requests as every other row
 
 
 def run(sizes: Sizes = Sizes(), which=ROW_IDS, usd_per_hour: float = 0.10, arrivals: str = "both") -> dict:

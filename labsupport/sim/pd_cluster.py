@@ -394,18 +394,22 @@ def judge(outputs, slo: dict, max_prompt_len: int | None = None):
 
 
 def slo_grid(cells: dict, layouts: dict, slos: dict, profile, max_prompt_len: int | None = None,
-             progress=None, **options) -> dict:
+             progress=None, again: tuple[str, dict] | None = None, **options) -> dict:
     """Every cell's workload (``{cell: [BenchRequest]}``) through every layout (``{name: simulate_pd's layout
     arguments}``, e.g. ``{"colocated x2": {"layout": "colocated", "replicas": 2}, "1P1D": {"layout": "1P1D"}}``),
     judged by every SLO (``{slo name: judge's slo}``): ``{cell: {layout: {slo name: Share, "gaps_ms": the judged
     requests' gaps (ms)}}}``. ``options``: ``simulate_pd``'s, for every layout. ``progress``: a tqdm-like
-    wrapper for the cells."""
+    wrapper for the cells. ``again``: ``(layout name, {cell: workload on other arrivals})``: that layout runs a
+    second time per cell, as ``"<name> (again)"``, the A/A pair ``crossover`` reads its verdicts against."""
     if "gaps_ms" in slos:
         raise ValueError("'gaps_ms' names the judged requests' gaps in each entry: give the SLO another name")
     grid = {}
     for cell, workload in (progress or (lambda x, **_: x))(list(cells.items()), desc="simulated cells"):
         grid[cell] = {}
-        for name, layout in layouts.items():
+        runs = [(name, layout, workload) for name, layout in layouts.items()]
+        if again is not None:
+            runs.append((f"{again[0]} (again)", layouts[again[0]], again[1][cell]))
+        for name, layout, workload in runs:
             _, _, outputs = simulate_pd_run(workload, profile, **{**options, **layout})
             judged = [o for o in outputs if max_prompt_len is None or len(o.prompt_token_ids) < max_prompt_len]
             grid[cell][name] = {**{s: judge(outputs, slo, max_prompt_len) for s, slo in slos.items()},
@@ -415,9 +419,12 @@ def slo_grid(cells: dict, layouts: dict, slos: dict, profile, max_prompt_len: in
 
 def crossover(grid: dict, slo: str, split: str, together: str) -> dict:
     """Each cell of ``slo_grid`` called ``"split"`` (``split``'s attainment interval lies wholly above
-    ``together``'s), ``"together"`` (below) or ``"level"`` (the intervals overlap): ``{cell: word}``."""
+    ``together``'s), ``"together"`` (below) or ``"level"`` (the intervals overlap): ``{cell: word}``. Where the grid
+    ran ``together`` again on other arrivals (``slo_grid``'s ``again``), the gap must also exceed that A/A pair's."""
     from ..measure import share_verdict
-    return {cell: share_verdict(row[together][slo], row[split][slo], "split", "together")
+    again = f"{together} (again)"
+    return {cell: share_verdict(row[together][slo], row[split][slo], "split", "together",
+                                aa=(row[together][slo], row[again][slo]) if again in row else None)
             for cell, row in sorted(grid.items())}
 
 
@@ -426,12 +433,9 @@ def goodput_rates(grid: dict, slo: str, name: str, target: float = 0.9) -> dict:
     least ``target`` of the judged requests inside ``slo``, every lower rate of the grid too (0.0: not even the
     lowest). Judged on the shares' point values: where a share's interval straddles ``target``, the goodput could
     be the grid's next rate either way."""
+    from ..measure import goodput_rate
     out = {}
     for length in sorted({c[0] for c in grid}):
-        best = 0.0
-        for rate in sorted(c[1] for c in grid if c[0] == length):
-            if grid[(length, rate)][name][slo].value < target:
-                break
-            best = rate
-        out[length] = best
+        rates = sorted(c[1] for c in grid if c[0] == length)
+        out[length] = goodput_rate(rates, [grid[(length, rate)][name][slo] for rate in rates], target) or 0.0
     return out
