@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from labsupport import LLM, checks
+import labsupport.checks.pd  # noqa: F401  (checks.pd.require_idle_pair)
 from labsupport.pd.kv_transfer import pack_blocks, unpack_blocks
+from labsupport.engine.lifecycle import land_transfers
 
 
 def _view(pool, bs):
@@ -169,3 +171,68 @@ def test_reference_hand_off_passes(engines, llm, capsys):
     are back, the refused pull's held blocks came back when their lease ended)."""
     checks.check_kv_handoff(pack_blocks, unpack_blocks, *engines, llm)
     assert "1 prompt token" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- the decode side: land_transfers
+
+def landing(lost_lease=False, double_free=False, recompute_from=1, keep_computed=False, missed_failure=False,
+            ignored_failure=False, no_fail_policy=False, requeue_aborted=False):
+    """The engine's rule with one planted mistake switched on (each keyword is one)."""
+    from labsupport.engine.request import RequestStatus
+
+    def land(lc, done_sending, done_recving, failed):
+        for rid in () if lost_lease else done_sending:
+            req = lc.queues.held.pop(rid, None)
+            if req is not None:
+                if double_free:
+                    for b in req.block_table:
+                        lc.kv.allocator.free(b)
+                lc.kv.release(req)
+        landed = set(done_recving) | (set(failed) if missed_failure else set())
+        failures = {} if missed_failure or ignored_failure else dict(failed)
+        for rid in [*landed, *failures]:
+            req = lc.queues.loading.pop(rid, None)
+            if req is None:
+                continue
+            req.remote_kv.load_done = True
+            if req.is_finished and not requeue_aborted:
+                lc.kv.release(req)
+                continue
+            if rid in failures and lc.connector.failure_policy == "fail" and not no_fail_policy:
+                req.status = RequestStatus.WAITING
+                lc.queues.waiting.appendleft(req)
+                lc.finish(req, "error")
+                continue
+            if rid not in failures and not keep_computed:
+                req.remote_kv.num_external_tokens = len(req.prompt_token_ids) - 1 - req.num_computed_tokens
+                req.num_computed_tokens = len(req.prompt_token_ids) - recompute_from
+            req.status = RequestStatus.WAITING
+            lc.queues.waiting.appendleft(req)
+    return land
+
+
+PLANTED_LANDINGS = [
+    ({"lost_lease": True}, "a pull that landed: afterwards prefill_llm .* blocks still held for a pull"),
+    ({"double_free": True}, "a pull that landed: your land_transfers raised ValueError: double free"),
+    ({"recompute_from": 2}, "computed 2 prompt tokens, expected 1"),
+    ({"keep_computed": True}, "computed all 53 prompt tokens: the pulled KV went unused"),
+    ({"missed_failure": True}, "'recompute'.*computed 1 of the 53 prompt tokens"),
+    ({"ignored_failure": True}, "'recompute': the request never finished: a failed load must not leave it parked"),
+    ({"no_fail_policy": True}, "'fail': the request finished with 'length': this policy ends it with an error"),
+    ({"requeue_aborted": True}, "aborted while its KV was loading"),
+]
+
+
+@pytest.mark.parametrize("bug, message", PLANTED_LANDINGS, ids=[next(iter(b)) for b, _ in PLANTED_LANDINGS])
+def test_planted_wrong_land_transfers_fails(engines, llm, bug, message):
+    with pytest.raises(checks.CheckFailed, match=message):
+        checks.check_land_transfers(landing(**bug), *engines, llm)
+    for engine in engines:  # the engine's own rule is back, and the check left both engines idle
+        assert engine.engine.scheduler.lifecycle.land_transfers is land_transfers
+        checks.pd.require_idle_pair(*engines, "the next test")
+
+
+def test_reference_land_transfers_passes(engines, llm, capsys):
+    checks.check_land_transfers(land_transfers, *engines, llm)
+    checks.check_land_transfers(landing(), *engines, llm)  # the planted variant with no mistake passes too
+    assert "1 prompt token computed" in capsys.readouterr().out

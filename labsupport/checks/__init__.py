@@ -17,7 +17,7 @@ from .mystery import evidence as mystery_evidence
 from .mystery import workload as mystery_workload
 from .paged_read import check_paged_read, check_paged_read_mixed
 from .prefix_admission import admission_scenario, check_leak_finder, check_prefix_admission
-from .pd import check_kv_handoff, check_pack_blocks, check_unpack_blocks
+from .pd import check_kv_handoff, check_land_transfers, check_pack_blocks, check_unpack_blocks
 from .scheduling import check_chunk_rule, check_schedule
 from .serving import check_goodput, check_request_streams
 from .slo_routing import check_choose_worker, compare_routing
@@ -27,5 +27,5 @@ __all__ = ["CheckFailed", "first_difference", "passed", "check_greedy_generate",
            "check_prefix_admission", "check_leak_finder", "planted_bug", "check_bug_fix", "MYSTERY_FUNCTIONS",
            "mystery_workload", "mystery_evidence", "admission_scenario",
            "check_schedule", "check_chunk_rule", "check_admission", "check_copy_on_write", "check_goodput", "check_request_streams", "check_pack_blocks", "check_unpack_blocks",
-           "check_kv_handoff", "check_acceptance_rule", "check_choose_worker",
+           "check_kv_handoff", "check_land_transfers", "check_acceptance_rule", "check_choose_worker",
            "compare_routing"]

@@ -1,4 +1,5 @@
-"""Checks for chapter 07: the KV hand-off, ``pack_blocks`` and ``unpack_blocks``.
+"""Checks for chapter 07: the KV hand-off, ``pack_blocks`` and ``unpack_blocks``, and its decode side,
+``land_transfers``.
 
 The unit checks run the attendee's functions on small random pools, shaped like one layer of
 ``PagedAttention`` (``[num_kv_heads, slots, head_dim]``, slot = block * block_size + offset), in the
@@ -13,6 +14,8 @@ a colocated engine answers, and leave no block behind on either side.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 import uuid
 
@@ -286,3 +289,194 @@ def check_kv_handoff(pack_fn, unpack_fn, prefill_llm, decode_llm, colocated_llm)
     passed(f"a {n}-token prompt's KV ({blocks} blocks, every layer) went through your pack_blocks and unpack_blocks "
            f"over TCP: the decode worker computed 1 prompt token, its {NEW_TOKENS} tokens equal the colocated "
            "engine's, and both engines freed every block")
+
+
+# ---------------------------------------------------------------- the decode side of the hand-off
+
+def _step_until(llm, req, seconds: float) -> bool:
+    """Step ``llm`` until ``req`` finished and no KV is on its way in or out, for at most ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        llm.engine.step()
+        if req.is_finished and not llm.engine.has_pending_transfers():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def _unheard():
+    """A listening socket that never answers: a pull from it hangs until the pull times out."""
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(4)
+    return s
+
+
+def check_land_transfers(land_fn, prefill_llm, decode_llm, colocated_llm):
+    """The attendee's ``land_transfers`` on both engines of a real pair, in the four cases of the hand-off:
+    (1) a pull that lands: the answer equals ``colocated_llm``'s, the decode worker computes one prompt token,
+    the prefill worker's held blocks are freed once pulled; (2) a load that fails under
+    ``kv_load_failure_policy="recompute"``: the decode worker computes the whole prompt and answers the same;
+    (3) the same under ``"fail"``: the request ends with an error; (4) a request aborted while its load runs:
+    its blocks are freed once the load ends, and it never comes back. Every case leaves both engines idle.
+    Whatever the attendee's function left behind is settled with the engine's own before the next case."""
+    from ..engine.lifecycle import land_transfers as reference
+    require_idle_pair(prefill_llm, decode_llm, "the check")
+    plain = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    want = colocated_llm.generate(PROMPT, plain, use_tqdm=False, use_result_cache=False)[0]
+    n, errors, seen = len(want.prompt_token_ids), [], {"sending": set(), "recving": set(), "failed": {}}
+    mine = []  # the decode worker's requests of this check: any left unfinished is aborted at the end
+
+    def recorded(lc, done_sending, done_recving, failed):
+        seen["sending"] |= set(done_sending)
+        seen["recving"] |= set(done_recving)
+        seen["failed"] |= dict(failed)
+        try:
+            return land_fn(lc, done_sending, done_recving, failed)
+        except Exception as exc:
+            errors.append(exc)
+            raise
+
+    def settle():  # the engine's own rule on what the attendee's was handed, the check's requests ended, drained
+        for llm in (prefill_llm, decode_llm):
+            reference(llm.engine.scheduler.lifecycle, set(seen["sending"]), set(seen["recving"]), dict(seen["failed"]))
+        for req in mine:
+            if not req.is_finished:
+                decode_llm.engine.abort(req)
+        for llm in (prefill_llm, decode_llm):
+            _settle(llm, 3)  # after the with block: the engine's own rule is back
+
+    def decode(kv_params, seconds=10.0):
+        salt = f"check_land_transfers-{uuid.uuid4().hex}"
+        params = SamplingParams(max_tokens=NEW_TOKENS, kv_transfer_params=kv_params, temperature=0, ignore_eos=True)
+        before = decode_llm.stats()["prompt_tokens_computed"]
+        req = decode_llm.engine.add_request(list(want.prompt_token_ids), params, cache_salt=salt)
+        mine.append(req)
+        try:
+            done = _step_until(decode_llm, req, seconds)
+        except Exception:
+            done = True  # the step failed: errors holds the attendee's exception, the engine failed the request
+        return req, done, decode_llm.stats()["prompt_tokens_computed"] - before
+
+    def raised(case):
+        if errors:
+            exc = errors[0]
+            raise CheckFailed(f"{case}: your land_transfers raised {type(exc).__name__}: {exc}. The engine failed "
+                              "the step's requests")
+
+    def drain(llm, case):  # step until no KV moves; a step that raised in the attendee's function is reported
+        try:
+            _settle(llm, 3)
+        except Exception:
+            if not errors:
+                raise
+        raised(case)
+
+    def idle_after(case, which=("prefill_llm", "decode_llm")):
+        for name, llm in (("prefill_llm", prefill_llm), ("decode_llm", decode_llm)):
+            if name not in which:
+                continue
+            drain(llm, case)
+            if not _idle(llm):
+                s = llm.stats()
+                q = llm.engine.scheduler.queues
+                where = ("finished requests' blocks still held for a pull that already happened (done_sending)"
+                         if q.held else "requests still parked as loading" if q.loading else
+                         "blocks of no live request still in use")
+                raise CheckFailed(f"{case}: afterwards {name} has {s['kv_blocks_free']} of {s['kv_blocks_total']} "
+                                  f"blocks free: {where}. Every block must go back to the pool once nobody needs it")
+
+    connector = decode_llm.engine.connector
+    policy, timeout = connector.failure_policy, connector.pull_timeout_s
+    quiet = logging.getLogger(connector.__module__)  # cases 2-4 fail loads on purpose: no warning for each
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with prefill_llm.plugged(land_transfers=recorded), decode_llm.plugged(land_transfers=recorded):
+            # (1) a pull that lands
+            case = "a pull that landed"
+            pre = prefill_llm.generate({"prompt": PROMPT, "cache_salt": f"check-{uuid.uuid4().hex}"},
+                                       SamplingParams(max_tokens=1, temperature=0, ignore_eos=True,
+                                                      kv_transfer_params={"do_remote_decode": True}),
+                                       use_tqdm=False, use_result_cache=False)[0]
+            raised(case)
+            req, done, computed = decode(pre.kv_transfer_params, 30.0)
+            raised(case)
+            if not done:
+                raise CheckFailed(f"{case}: the request never finished: once its KV has landed it must go back to "
+                                  "the waiting queue (its head: it was admitted already) to be scheduled again")
+            if req.finish_reason == "error":
+                raise CheckFailed(f"{case}: the request ended with an error, though its load landed")
+            if computed == n:
+                raise CheckFailed(f"{case}: the decode worker computed all {n} prompt tokens: the pulled KV went "
+                                  "unused. A landed request has every prompt token computed but the last")
+            if computed != 1:
+                raise CheckFailed(f"{case}: the decode worker computed {computed} prompt tokens, expected 1: only "
+                                  "the last is computed again (its logits give the first new token)")
+            if req.output_token_ids != want.token_ids:
+                i = next((i for i, (a, b) in enumerate(zip(req.output_token_ids, want.token_ids)) if a != b),
+                         len(req.output_token_ids))
+                raise CheckFailed(f"{case}: the answer differs from the colocated one at token {i}: the request "
+                                  "must keep the blocks the KV landed in")
+            if req.remote_kv.num_external_tokens != n - 1:
+                raise CheckFailed(f"{case}: the request counts {req.remote_kv.num_external_tokens} prompt tokens as "
+                                  f"pulled; {n - 1} came over the wire (the metrics report this count)")
+            idle_after(case)
+            # (2) a load that fails, policy "recompute": a transfer the prefill worker never held
+            ids = list(range(-(-n // decode_llm.engine.kv.block_size)))
+            missing = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "none",
+                       "remote_block_ids": ids, "remote_host": "127.0.0.1",
+                       "remote_port": prefill_llm.engine.connector.server.port,
+                       "remote_request_id": f"never-held-{uuid.uuid4().hex}", "tp_size": 1}
+            connector.failure_policy = "recompute"
+            case = "a failed load under kv_load_failure_policy='recompute'"
+            req, done, computed = decode(missing)
+            raised(case)
+            if not done:
+                raise CheckFailed(f"{case}: the request never finished: a failed load must not leave it parked")
+            if req.finish_reason == "error":
+                raise CheckFailed(f"{case}: the request failed; this policy computes the prompt here instead")
+            if req.output_token_ids != want.token_ids or computed != n:
+                raise CheckFailed(f"{case}: the decode worker computed {computed} of the {n} prompt tokens and "
+                                  f"answered {'the same' if req.output_token_ids == want.token_ids else 'otherwise'}: "
+                                  "a failed load left nothing usable in its blocks, so every prompt token must be "
+                                  "computed here")
+            idle_after(case, ("decode_llm",))
+            # (3) the same, policy "fail"
+            connector.failure_policy = "fail"
+            case = "a failed load under kv_load_failure_policy='fail'"
+            req, done, computed = decode({**missing, "remote_request_id": f"never-held-{uuid.uuid4().hex}"})
+            raised(case)
+            if not done or req.finish_reason != "error":
+                raise CheckFailed(f"{case}: the request {'never finished' if not done else 'finished with '}"
+                                  f"{'' if not done else repr(req.finish_reason)}: this policy ends it with an error")
+            if computed:
+                raise CheckFailed(f"{case}: the decode worker computed {computed} prompt tokens for a request this "
+                                  "policy fails")
+            idle_after(case, ("decode_llm",))
+            # (4) aborted while its load runs: the load hangs until the pull times out
+            connector.failure_policy, connector.pull_timeout_s = "recompute", 0.5
+            case = "a request aborted while its KV was loading"
+            with contextlib.closing(_unheard()) as sock:
+                req = decode_llm.engine.add_request(
+                    list(want.prompt_token_ids),
+                    SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True,
+                                   kv_transfer_params={**missing, "remote_port": sock.getsockname()[1]}),
+                    cache_salt=f"check_land_transfers-{uuid.uuid4().hex}")
+                mine.append(req)
+                decode_llm.engine.step()  # parked: its blocks reserved, the pull started
+                decode_llm.engine.abort(req)
+                drain(decode_llm, case)
+            if req.output_token_ids:
+                raise CheckFailed(f"{case}: the aborted request ran again and produced {len(req.output_token_ids)} "
+                                  "tokens: once its load ends, an aborted request only frees its blocks")
+            idle_after(case, ("decode_llm",))
+    finally:
+        connector.failure_policy, connector.pull_timeout_s = policy, timeout
+        settle()
+        quiet.setLevel(level)
+    passed(f"your land_transfers on both workers: a landed {n}-token prompt's KV was used (1 prompt token computed, "
+           f"{NEW_TOKENS} tokens equal the colocated engine's), the pulled blocks were freed; a failed load computed "
+           "the prompt (policy 'recompute') or failed the request ('fail'); an aborted load freed its blocks; both "
+           "engines idle after each case")

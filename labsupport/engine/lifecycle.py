@@ -101,6 +101,7 @@ class RequestLifecycle:
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
         self.connector = connector
+        self.land_transfers = land_transfers  # a plug point (Scheduler.PLUG_POINTS["land_transfers"], ch. 07)
         self.counters = {"prompt_tokens_computed": 0, "generation_tokens": 0}
         if num_speculative_tokens:
             self.counters |= spec_counters(num_speculative_tokens)
@@ -264,30 +265,41 @@ class RequestLifecycle:
         return True
 
     def poll_connector(self):
-        """Free blocks that were pulled (or whose lease expired); requests whose KV landed go back to the
-        head of the queue with all but the last prompt token computed (its logits give the next token);
-        a failed load follows ``kv_load_failure_policy``: compute the prompt here, or fail the request."""
+        """What the connector finished since the last step, handed to ``land_transfers`` (chapter 07's
+        exercise plugs its own in: the decode side of the hand-off)."""
         done_sending, done_recving = self.connector.get_finished()
-        for rid in done_sending:
-            req = self.queues.held.pop(rid, None)
-            if req is not None:
-                self.kv.release(req)
-        failed = self.connector.get_failed_loads()
-        for rid in [*done_recving, *failed]:
-            req = self.queues.loading.pop(rid, None)
-            if req is None:
-                continue
-            req.remote_kv.load_done = True
-            if req.is_finished:  # aborted while loading: the load has ended, the blocks may go
-                self.kv.release(req)
-                continue
-            if rid in failed and self.connector.failure_policy == "fail":
-                req.status = RequestStatus.WAITING
-                self.queues.waiting.appendleft(req)
-                self.finish(req, "error")
-                continue
-            if rid not in failed:
-                req.remote_kv.num_external_tokens = len(req.prompt_token_ids) - 1 - req.num_computed_tokens
-                req.num_computed_tokens = len(req.prompt_token_ids) - 1
+        self.land_transfers(self, done_sending, done_recving, self.connector.get_failed_loads())
+
+
+def land_transfers(lc: RequestLifecycle, done_sending: set[str], done_recving: set[str], failed: dict[str, str]):
+    """The decode side of the hand-off, after each step (``poll_connector``): ``done_sending``, the finished
+    requests whose held blocks another engine has pulled, or whose lease expired; ``done_recving``, the parked
+    requests whose prompt KV landed; ``failed``, those whose load failed (request id -> why).
+
+    Pulled or expired: the held blocks go back to the pool. Landed: the request goes back to the head of the
+    queue with all but its last prompt token computed (that one is recomputed: its logits give the first new
+    token). Failed: ``kv_load_failure_policy`` says compute the whole prompt here ("recompute") or fail the
+    request ("fail"). A request aborted while its load ran keeps its blocks until the load ends (the load may
+    still be writing them), then frees them here."""
+    for rid in done_sending:
+        req = lc.queues.held.pop(rid, None)
+        if req is not None:
+            lc.kv.release(req)
+    for rid in [*done_recving, *failed]:
+        req = lc.queues.loading.pop(rid, None)
+        if req is None:
+            continue
+        req.remote_kv.load_done = True
+        if req.is_finished:  # aborted while loading: the load has ended, the blocks may go
+            lc.kv.release(req)
+            continue
+        if rid in failed and lc.connector.failure_policy == "fail":
             req.status = RequestStatus.WAITING
-            self.queues.waiting.appendleft(req)
+            lc.queues.waiting.appendleft(req)
+            lc.finish(req, "error")
+            continue
+        if rid not in failed:
+            req.remote_kv.num_external_tokens = len(req.prompt_token_ids) - 1 - req.num_computed_tokens
+            req.num_computed_tokens = len(req.prompt_token_ids) - 1
+        req.status = RequestStatus.WAITING
+        lc.queues.waiting.appendleft(req)

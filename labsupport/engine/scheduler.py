@@ -90,6 +90,8 @@ class Scheduler:
                                  "None: the engine's own", kind="function or None"),
         "chunk_rule": PlugPoint("chunk_rule", "the tokens one request feeds this step (ch. 05)"),
         "admit_fn": PlugPoint("admit_fn", "the head of the queue joins, or waits (ch. 05)"),
+        "land_transfers": PlugPoint("lifecycle.land_transfers", "land_transfers(lifecycle, done_sending, "
+                                    "done_recving, failed): the decode side of the KV hand-off (ch. 07)"),
     }
 
     def __init__(self, config, kv: KVManager, eos_token_ids=(), connector=None, clock=time.perf_counter):
