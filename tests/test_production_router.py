@@ -196,3 +196,21 @@ class TestColocated:
             assert codes.count(200) >= 3, codes
         wait_until(lambda: all_blocks_free(survivor), timeout=15, interval=0.2)
         assert metrics(survivor)["labsupport:num_requests_running"] == 0
+
+    def test_the_fault_drill_survives_four_faults_and_leaks_nothing(self, pair):
+        """experiments/router_faults.py, which chapter 07 runs: after a kill mid-stream, a restart, a frozen worker
+        and a burst at a one-request router, every later request is answered, the restarted worker serves again,
+        the burst gets status codes instead of a wait, and neither worker holds a block or a request."""
+        from labsupport.experiments.router_faults import fault_drill
+        ws, _ = pair
+        lines = []
+        drill = fault_drill(ws, "smol", progress=lines.append)
+        print("\n".join(lines))
+        assert drill["killed"]["chunks"] < drill["killed"]["of"] and drill["killed"]["then"] == [200] * 4
+        assert drill["killed"]["survivor_served"] == 4  # each probe counted once, all by the survivor
+        assert drill["recovered"]["then"] == [200] * 4 and all(n > 0 for n in drill["recovered"]["served_by"])
+        assert drill["frozen"]["codes"] == [200] * 4  # the timeout and a retry, then the health check, saved each
+        codes = drill["overload"]["codes"]
+        assert sum(codes.values()) == 6 and 0 < codes.get(200, 0) < 6 and set(codes) <= {200, 408, 429, 503}
+        assert not any(drill["leaked"].values())
+        assert all(w.alive for w in ws)

@@ -39,7 +39,7 @@ def kv_and_backend(c: EngineConfig, model, device, draft_model=None):
     cpu_tier = (CPUTier(c.cpu_offload_blocks, backend.k_pool, backend.v_pool, c.block_size)
                 if c.cpu_offload_blocks else None)
     kv = KVCacheManager(num_blocks, c.block_size, enable_prefix_caching=c.enable_prefix_caching, cpu_tier=cpu_tier)
-    kv.copy_block = backend.copy_block  # copy-on-write (parallel samples, chapter 04)
+    kv.copy_block = backend.copy_block  # copy-on-write (parallel samples, chapter 03)
     return kv, backend
 
 

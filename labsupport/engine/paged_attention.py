@@ -110,7 +110,7 @@ class PagedAttention(AttentionBackend):
         self.connector = connector
 
     def copy_block(self, src: int, dst: int):
-        """Copy block ``src``'s K/V into block ``dst`` in every layer (copy-on-write, chapter 04)."""
+        """Copy block ``src``'s K/V into block ``dst`` in every layer (copy-on-write, chapter 03)."""
         bs = self.block_size
         for pool in (*self.k_pool, *self.v_pool):
             pool[:, dst * bs:(dst + 1) * bs] = pool[:, src * bs:(src + 1) * bs]

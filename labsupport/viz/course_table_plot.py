@@ -31,6 +31,16 @@ def _neighbour(r: dict) -> str:
     return f" [other processes took {100 * share:.0f} % of the cores meanwhile]" if share >= 0.05 else ""
 
 
+def _incomplete(r: dict) -> str:
+    """Which of the row's runs ended with requests unanswered (a row too slow for the load: they waited past
+    ``bench serve``'s client timeout), as a note; its figures then come from the answered ones."""
+    cut = [f"{name} {r[key]['completed']} of {r[key]['requests']}" for key, name in
+           (("capacity", "capacity"), ("bursty", "gamma"), ("poisson", "Poisson"))
+           if key in r and r[key].get("completed", 0) < r[key].get("requests", 0)]
+    return (f" [answered: {', '.join(cut)}; the others waited past the client's timeout, and the figures are the "
+            "answered requests']" if cut else "")
+
+
 def _both(b: dict, p: dict, key: str, spec: str, scale: float = 1, suffix: str = "") -> str:
     """One load column as "gamma / Poisson" (the tail with its label after each)."""
     def one(run):
@@ -62,7 +72,7 @@ def table_rows(rows_: list[dict]) -> tuple[list[str], list[list[str]]]:
                           _fmt(r.get("cost_vs_00"), ".3f"), _both(b, p, "goodput_req_s", ".2f"),
                           _both(b, p, "slo_attainment", ".0f", 100, " %"), _both(b, p, "ttft_p50_ms", ".0f"),
                           _both(b, p, "ttft_tail_ms", ".0f"), _both(b, p, "mean_queue_time_ms", ".0f"),
-                          _fmt(b["prefix_cache_hit_rate"]), r["note"] + _neighbour(r)])
+                          _fmt(b["prefix_cache_hit_rate"]), r["note"] + _incomplete(r) + _neighbour(r)])
             continue
         c, b = r["capacity"], r.get("bursty") or r.get("poisson")
         extra = f" (Poisson: goodput {_fmt(r['poisson']['goodput_req_s'])}, SLO met " \
@@ -73,7 +83,7 @@ def table_rows(rows_: list[dict]) -> tuple[list[str], list[list[str]]]:
                       _fmt(b and b["ttft_p50_ms"], ".0f"),
                       f"{_fmt(b and b['ttft_tail_ms'], '.0f')} ({b['ttft_tail_label'] if b else '-'})",
                       _fmt(b and b["mean_queue_time_ms"], ".0f"), _fmt(b and b["prefix_cache_hit_rate"]),
-                      r["note"] + extra + _neighbour(r)])
+                      r["note"] + extra + _incomplete(r) + _neighbour(r)])
     return head, cells
 
 
