@@ -14,7 +14,8 @@ The decision comes from ``labsupport.measure``'s discipline, never from reading 
 A ``Verdict`` says which way is better when it was made with ``higher_is_better`` (or ``record`` is told);
 anything else is a word plus an explicit ``better=True / False / None``.
 
-One entry per (chapter, technique): attendees re-run cells out of order, so a second record replaces the first.
+One entry per chapter: attendees re-run cells out of order and change parameters (chapter 09's ``k`` is in its
+technique's name), so a chapter's record replaces whatever the chapter recorded before.
 The entries live in a JSON file, ``$LABSUPPORT_LEDGER``, else ``ledger.json`` in ``$LABSUPPORT_CACHE`` (default
 ``~/.cache/labsupport``, where the model cache lives), replaced atomically: a kernel killed mid-write leaves the
 previous ledger whole. Where the file cannot be written (a read-only or missing home in CI), the chapter still
@@ -170,7 +171,7 @@ def record(chapter: str, technique: str, control: str, verdict: Verdict | str | 
     entry = Entry(_chapter(chapter), technique.strip(), control.strip(), decide(verdict, better, higher_is_better),
                   " ".join(evidence.split()), time.strftime("%Y-%m-%d %H:%M", time.gmtime()))
     where = _resolve(path)
-    book = _book(where)
+    book = {key: e for key, e in _book(where).items() if e.chapter != entry.chapter}  # a chapter's latest decision
     book[entry.chapter, entry.technique] = entry
     try:
         if where is None:

@@ -351,7 +351,7 @@ def share_verdict(a: Share, b: Share, higher: str = "higher", lower: str = "lowe
 
 
 def aa_gap(aa: tuple[Share, Share]) -> str:
-    """The A/A pair's gap as text, for the sentence beside a verdict: "A/A gap 1.2 points (n 1,000 each)"."""
+    """The A/A pair's gap as text, for the sentence beside a verdict: "A/A gap 1.2 points (n 1,000 and 1,000)."""
     return f"A/A gap {100 * abs(aa[0].value - aa[1].value):.1f} points (n {aa[0].n:,} and {aa[1].n:,})"
 
 

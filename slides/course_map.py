@@ -43,8 +43,9 @@ PICTURES = {
 
 # (the waste, what removes it, the chapters that do it)
 WASTES = [
-    ("repeated computation", "keep past tokens' KV; reuse shared prefixes and whole answers", ["01", "03"]),
-    ("an idle accelerator", "batch decodes, refill a slot the step it frees, fork n samples from one prompt", ["04"]),
+    ("repeated computation", "keep past tokens' KV; reuse shared prefixes, whole answers and one prompt's KV for "
+     "n samples", ["01", "03"]),
+    ("an idle accelerator", "batch decodes, refill a slot the step it frees", ["04"]),
     ("prefill/decode interference", "a long prompt's step stalls every decoding user: chunk it beside the decodes, "
      "or give prefill and decode their own workers", ["05", "07"]),
     ("memory", "count KV bytes, page the cache into blocks, spill to a CPU tier", ["01", "02", "03"]),

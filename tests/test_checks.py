@@ -512,13 +512,15 @@ def test_the_draw_is_seeded_and_the_first_seeds_reach_every_bug(prefix_llm):
 
 
 def test_every_bug_sits_in_block_keeping_chapter_03_taught(prefix_llm):
-    """Chapter 03 plants bugs only in what chapters 01-03 taught: no copy-on-write (chapter 04's), no plug point
-    whose fix is another chapter's exercise answer."""
+    """Chapter 03 plants bugs only in what was taught before the hunt: no copy-on-write (section 11, after it), no
+    plug point whose fix is another chapter's exercise answer."""
     taught = {"free_blocks_needed", "hold_prefix_blocks", "release_blocks"}
     assert set(mystery.FUNCTIONS) == taught
     assert {mystery.reveal(checks.planted_bug(prefix_llm, seed=s))[1] for s in range(40)} == taught
-    code = "\n".join(c.source for c in read(chapter("03")).cells if c.cell_type == "code")
-    assert "copy_on_write" not in code
+    cells = read(chapter("03")).cells
+    hunt = next(i for i, c in enumerate(cells) if c.cell_type == "code" and "checks.planted_bug(" in c.source)
+    before_the_hunt = "\n".join(c.source for c in cells[:hunt] if c.cell_type == "code")
+    assert "copy_on_write" not in before_the_hunt
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -782,11 +784,11 @@ def test_planted_wrong_admission_fails(wrong):
         checks.check_admission(wrong)
 
 
-# ---- chapter 04's hard exercise: fork and copy-on-write for n > 1 ----------------------------------
+# ---- chapter 03's exercise on sharing: fork and copy-on-write for n > 1 ------------------------------
 
 @pytest.fixture(scope="module")
 def cow_solutions():
-    solutions = exercise_solutions(chapter("04"))
+    solutions = exercise_solutions(chapter("03"))
     return solutions["fork_blocks"], solutions["copy_on_write"]
 
 

@@ -254,3 +254,33 @@ def test_what_moved_gives_figures_and_ratios_but_no_verdict_word_from_one_run(sa
         by["04"][run] = copy.deepcopy(by["03"][run])
     assert "no figure changed" in view.what_moved("04", t) and "the same:" in view.what_moved("04", t)
     assert "no measured row before it" in view.what_moved("00", t)
+
+
+def test_wait_idle_waits_for_a_server_to_drain_what_a_run_left_queued():
+    """A loopback /metrics that reports requests running for its first reads, then none: the next run waits."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    reads = []
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self):
+            reads.append(self.path)
+            busy = 1 if len(reads) <= 2 else 0
+            body = f"labsupport:num_requests_running {busy}\nlabsupport:num_requests_waiting 0\n".encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        assert ct.wait_idle(url, timeout_s=10) and len(reads) == 3   # busy, busy, idle
+        assert not ct.wait_idle("http://127.0.0.1:9", timeout_s=1)   # nothing answers: cannot tell, no wait
+    finally:
+        server.shutdown()

@@ -82,6 +82,11 @@ def test_recording_a_technique_again_replaces_its_entry(tmp_path):
                                                                   ("04", "Keep", "second run")]
     saved = json.loads(path.read_text())
     assert [e["evidence"] for e in saved["entries"]] == ["counts", "second run"]
+    # a parameter in the technique's name changed (chapter 09's k): still one row for the chapter, the latest
+    ledger.record("09", "speculative decoding (k = 4)", "plain decoding", "level", "first", better=None, path=path)
+    ledger.record("09", "speculative decoding (k = 2)", "plain decoding", "level", "then", better=None, path=path)
+    assert [(e.chapter, e.technique) for e in ledger.entries(path)][-1:] == [("09", "speculative decoding (k = 2)")]
+    assert len([e for e in ledger.entries(path) if e.chapter == "09"]) == 1
 
 
 def test_the_file_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):

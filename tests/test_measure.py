@@ -231,5 +231,13 @@ def test_share_verdict_with_an_aa_pair_needs_a_gap_wider_than_the_rerun_moved():
     assert share_verdict(a, b) == "lower"
     assert share_verdict(a, b, aa=(a, share_interval(880, 1000))) == "lower"  # the rerun moved 2 points, B 10
     assert share_verdict(a, b, aa=(a, share_interval(780, 1000))) == "level"  # the rerun moved 12 points
-    assert share_verdict(share_interval(6, 8), share_interval(4, 8), aa=(a, a)) == "level"  # still needs parted intervals
+    assert share_verdict(share_interval(6, 8), share_interval(4, 8), aa=(a, a)) == "level"  # intervals must part too
     assert aa_gap((a, share_interval(880, 1000))) == "A/A gap 2.0 points (n 1,000 and 1,000)"
+
+
+def test_goodput_rate_is_the_highest_rate_before_the_first_miss():
+    from labsupport.measure import goodput_rate, share_interval
+    shares = [share_interval(k, 100) for k in (99, 95, 80, 97)]  # the last rate meets 90 % again: not counted
+    assert goodput_rate([1, 2, 4, 8], shares) == 2
+    assert goodput_rate([1, 2], [share_interval(50, 100), share_interval(99, 100)]) is None  # not even the lowest
+    assert goodput_rate([1, 2], shares[:2], target=0.97) == 1

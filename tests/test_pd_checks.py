@@ -219,7 +219,7 @@ PLANTED_LANDINGS = [
     ({"missed_failure": True}, "'recompute'.*computed 1 of the 53 prompt tokens"),
     ({"ignored_failure": True}, "'recompute': the request never finished: a failed load must not leave it parked"),
     ({"no_fail_policy": True}, "'fail': the request finished with 'length': this policy ends it with an error"),
-    ({"requeue_aborted": True}, "aborted while its KV was loading"),
+    ({"requeue_aborted": True}, "aborted while its KV was loading: the aborted request ran again and produced"),
 ]
 
 

@@ -270,7 +270,8 @@ def test_slo_grid_judges_short_requests_and_the_crossover_follows_the_intervals(
         word = crossover(again, "stutter", "pd", "colo")[cell]
         if word != "level":
             assert abs(row["pd"]["stutter"].value - row["colo"]["stutter"].value) > aa_gap
-        planted = {**row, "colo (again)": {**row["colo (again)"], "stutter": row["pd"]["stutter"]}}  # A/A as wide as A/B
+        # an A/A pair as far apart as A and B: no word, whatever the intervals
+        planted = {**row, "colo (again)": {**row["colo (again)"], "stutter": row["pd"]["stutter"]}}
         assert crossover({cell: planted}, "stutter", "pd", "colo")[cell] == "level"
 
 

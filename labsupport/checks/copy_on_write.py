@@ -1,4 +1,4 @@
-"""Check for chapter 04's hard exercise: parallel samples (``n > 1``) sharing a prompt's blocks.
+"""Check for chapter 03's exercise on sharing: parallel samples (``n > 1``) sharing a prompt's blocks.
 
 ``fork_blocks(allocator, block_table)`` gives a new sample the request's blocks, shared;
 ``copy_on_write(allocator, block_table, index, new_block, copy_block)`` makes a block the

@@ -356,7 +356,9 @@ def check_land_transfers(land_fn, prefill_llm, decode_llm, colocated_llm):
         try:
             done = _step_until(decode_llm, req, seconds)
         except Exception:
-            done = True  # the step failed: errors holds the attendee's exception, the engine failed the request
+            if not errors:
+                raise  # not the attendee's function: the check's own failure, shown as it is
+            done = True  # the step failed in the attendee's function: the engine failed the request
         return req, done, decode_llm.stats()["prompt_tokens_computed"] - before
 
     def raised(case):

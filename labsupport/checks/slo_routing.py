@@ -22,6 +22,7 @@ import math
 import random
 from dataclasses import dataclass
 
+from .. import measure
 from ..pd.routing import WorkerLoad
 from .base import CheckFailed, passed
 
@@ -278,7 +279,8 @@ def verdict(result: dict, threshold: float = 0.9) -> str:
             f"{', '.join(below) if below else 'none'}.")
 
 
-AGAIN = "round robin (again)"  # simulated_routing's A/A row: round robin on other arrivals of the same mix
+AGAIN = "round robin" + measure.AGAIN  # simulated_routing's A/A row: round robin on other arrivals of the same mix
+OTHER_ARRIVALS = 4000  # added to the load's seed for that row's arrivals and order
 
 
 def simulated_routing(choose_worker, profile, load: RoutingLoad, replicas: int = 2, again: bool = True,
@@ -320,8 +322,8 @@ def simulated_routing(choose_worker, profile, load: RoutingLoad, replicas: int =
     runs = [("round robin", "round_robin"), ("least loaded", "least_loaded"), ("your SLO-aware", None)]
     for k, (label, name) in enumerate(runs + ([(AGAIN, "round_robin")] if again else [])):
         policy = name or SLOAware(choose_worker, slo, spt)
-        arrivals = load.seed if label != AGAIN else load.seed + 4000  # the A/A run: other arrivals and order
-        order = lengths if label != AGAIN else load.lengths(load.num_requests, load.seed + 4000)
+        arrivals = load.seed if label != AGAIN else load.seed + OTHER_ARRIVALS  # the A/A run: other arrivals, order
+        order = lengths if label != AGAIN else load.lengths(load.num_requests, load.seed + OTHER_ARRIVALS)
         workload = with_gamma_arrivals(requests(order, load.seed + k, load.output_len), rate, load.burstiness,
                                        arrivals)
         cluster, outputs, duration = run(workload, policy)
@@ -344,12 +346,12 @@ def format_routing(result: dict, load: RoutingLoad) -> str:
              f"prompt's); {len(result['lengths'])} requests ({sum(x == load.long_len for x in result['lengths'])} of "
              f"{load.long_len} tokens, the rest {load.short_len}), {load.output_len} tokens out, gamma arrivals of "
              f"shape {load.burstiness:g} at {result['rate_req_s']:.2f} req/s",
-             f"{'policy':16} {'within target':>14} {'attainment (95 % interval)':>27} {'goodput':>12} {'late':>5} "
+             f"{'policy':19} {'within target':>14} {'attainment (95 % interval)':>27} {'goodput':>12} {'late':>5} "
              f"{'shed':>5}"]
     from ..measure import share_interval
     for row in rows:
         s = share_interval(row["within"], row["requests"])
-        lines.append(f"{row['policy']:16} {row['within']:>6} of {row['requests']:<5} {100 * s.value:>9.0f} % "
+        lines.append(f"{row['policy']:19} {row['within']:>6} of {row['requests']:<5} {100 * s.value:>9.0f} % "
                      f"({100 * s.low:3.0f}-{100 * s.high:3.0f} %)   {row['goodput_req_s']:>8.2f} req/s {row['late']:>5} "
                      f"{row['shed']:>5}")
     return "\n".join(lines)

@@ -231,7 +231,7 @@ class LLMEngine:
         """New text for each request's new token; a stop string ends the request here."""
         for req in requests:
             detok = self.detokenizers.get(req.request_id)
-            if detok is None:  # a sample forked from an n > 1 request (chapter 04): its first token
+            if detok is None:  # a sample forked from an n > 1 request (chapter 03): its first token
                 detok = self.detokenizers[req.request_id] = IncrementalDetokenizer(
                     self.tokenizer, req.prompt_token_ids, req.params.stop, req.params.min_tokens)
             cut = catch_up(detok, req.output_token_ids, req.num_new_output_tokens, req.is_finished, req.finish_reason)

@@ -143,7 +143,7 @@ class KVCacheManager(KVManager):
 
     ``chain_hashes`` and ``longest_prefix`` (chapter 03's warm-ups) and ``free_blocks_needed``,
     ``hold_prefix_blocks`` and ``release_blocks`` (its hard exercise: admitting a prefix hit), and
-    ``fork_blocks`` and ``copy_on_write`` (chapter 04's: parallel samples sharing a prompt) are
+    ``fork_blocks`` and ``copy_on_write`` (its exercise on sharing: parallel samples sharing a prompt) are
     attributes so the attendee's own can be plugged in (``LLMEngine.plugged``); ``allocator``
     likewise for chapter 02's. ``copy_block(src, dst)`` is the attention backend's: it copies a
     block's K/V in every layer.
@@ -158,8 +158,8 @@ class KVCacheManager(KVManager):
         "free_blocks_needed": PlugPoint("free_blocks_needed", "what admitting a prefix hit costs (ch. 03)"),
         "hold_prefix_blocks": PlugPoint("hold_prefix_blocks", "share a hit's blocks, or reclaim them (ch. 03)"),
         "release_blocks": PlugPoint("release_blocks", "the order a request's blocks go back (ch. 03)"),
-        "fork_blocks": PlugPoint("fork_blocks", "a sample starts on the parent's shared blocks (ch. 04)"),
-        "copy_on_write": PlugPoint("copy_on_write", "a shared block, about to be written (ch. 04)"),
+        "fork_blocks": PlugPoint("fork_blocks", "a sample starts on the parent's shared blocks (ch. 03)"),
+        "copy_on_write": PlugPoint("copy_on_write", "a shared block, about to be written (ch. 03)"),
     }
 
     def __init__(self, num_blocks: int, block_size: int, allocator: BlockAllocator | None = None,

@@ -51,7 +51,7 @@ class EngineLimits:
 
     @property
     def forks_samples(self) -> bool:
-        """Can ``n > 1`` run as one request whose samples fork after the prompt (chapter 04)? They share the
+        """Can ``n > 1`` run as one request whose samples fork after the prompt (chapter 03)? They share the
         prompt's blocks, so the KV must be paged; a speculative step verifies one sequence's guesses, not
         forked ones, so not with speculative decoding."""
         return self.num_blocks is not None and not self.speculative
@@ -112,7 +112,7 @@ class EngineLimits:
             if not self.has_connector:
                 raise ValueError("kv_transfer_params needs an engine with a KV connector (kv_transfer_config)")
             connector_class(self.connector).check_params(params.kv_transfer_params)
-        if params.n > 1:  # chapter 04: samples fork after the prompt and copy shared blocks on write
+        if params.n > 1:  # chapter 03: samples fork after the prompt and copy shared blocks on write
             if self.num_blocks is None or params.kv_transfer_params is not None:
                 raise ValueError("n > 1 (parallel samples) needs kv_cache='paged' and no kv_transfer_params")
             if self.speculative:

@@ -55,7 +55,7 @@ class SamplingParams:
     logprobs: int | None = None  # per output token: its logprob and the top-k's (k in [0, 20]); None: none
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     kv_transfer_params: dict | None = None  # PD (chapter 07): do_remote_decode / do_remote_prefill and where
-    n: int = 1  # parallel samples of one prompt (chapter 04): forked after the prompt, blocks copied on write
+    n: int = 1  # parallel samples of one prompt (chapter 03): forked after the prompt, blocks copied on write
     # chapter 06's API: rules on the logits before sampling (logits_processors.py, structured_output.py)
     presence_penalty: float = 0.0  # OpenAI's: minus this for every token already in the output
     frequency_penalty: float = 0.0  # OpenAI's: minus this times how often the token is in the output

@@ -48,7 +48,7 @@ ROW_IDS = ("00", "01", "02", "03", "04", "05", "06", "07", "08")
 class Sizes:
     """Everything that sizes the run. The defaults take about an hour on 2 CPU cores: each row's two load
     runs last at least ``num_requests / rate`` seconds each; row 00 (no KV cache: every step recomputes every
-    token) serves about 3 output tokens/s, so it drains each of its runs for about ten minutes."""
+    token) serves about 2 output tokens/s, so it drains each of its runs for about ten minutes."""
 
     num_requests: int = 100  # per measurement (capacity, bursty, poisson: three different question sets)
     system_tokens: int = 160  # of the handbook, shared by every request
@@ -218,6 +218,21 @@ def _metrics(url: str) -> dict | None:
     return parse_metrics(resp.text) if resp.status_code == 200 else None  # transformers serve has none
 
 
+def wait_idle(metrics_url: str, timeout_s: float = 900.0) -> bool:
+    """Wait until the server runs and queues nothing (its ``/metrics``, ours or vLLM's): a run the client gave up on
+    (its timeout) may leave requests in the server, and the next run must not start behind them. False: still busy
+    after ``timeout_s`` (or no metrics to tell)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        m = _metrics(metrics_url)
+        if m is None:
+            return False
+        if not any(m.get(f"{p}:num_requests_{k}", 0) for p in ("labsupport", "vllm") for k in ("running", "waiting")):
+            return True
+        time.sleep(1.0)
+    return False
+
+
 def ttft_tail_of(ttfts_ms: list[float]) -> tuple[str, float]:
     """("P99", value) from at least ``MIN_P99_SAMPLES`` TTFTs, else ("max", the largest): ``percentiles.tail``'s rule."""
     return tail({"n_ttft": len(ttfts_ms), "p99_ttft_ms": percentile(ttfts_ms, 99),
@@ -278,6 +293,7 @@ def measure_row(row: Row, s: Sizes, loads: dict, usd_per_hour: float, folder: st
         warm.raise_for_status()
         busy0, own0, t1 = *_cpu_seconds(procs), time.perf_counter()
         for name, (requests, rate, burstiness) in loads.items():
+            wait_idle(metrics_url)  # what an earlier run left queued (requests its client gave up on) drains first
             out[name] = load_run(url, metrics_url, model, requests, rate, burstiness, s, usd_per_hour, seed=1)
         busy1, own1 = _cpu_seconds(procs)  # what other processes took of the cores while this row was measured
         share = ((busy1 - busy0) - (own1 - own0)) / ((time.perf_counter() - t1) * (os.cpu_count() or 1))

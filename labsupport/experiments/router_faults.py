@@ -63,7 +63,7 @@ def _router_counters(router) -> dict[str, float]:
             continue
         name, _, value = line.rpartition(" ")
         base = name.split("{")[0]
-        if any(word in base for word in ("retr", "circuit", "cb_")):
+        if base.endswith("_total") and any(word in base for word in ("retr", "circuit", "cb_")):
             try:
                 out[base] += float(value)
             except ValueError:
@@ -87,6 +87,32 @@ def _idle(worker) -> bool:
                                                            "kv_requests_held", "kv_cache_usage_perc"))
 
 
+def _after_the_kill(router, workers, victim, survivor, short, body, chunks, outcome, probes, progress) -> dict:
+    """Acts 1 (what followed the kill) and 2 (the restart)."""
+    acts = {}
+    time.sleep(2.5)  # health checks every second, one failure marks the worker down
+    before = _served([survivor])[0]
+    codes = [_post(router.url, short)[0] for _ in range(probes)]
+    acts["killed"] = {"chunks": chunks, "of": body["max_tokens"], "outcome": outcome, "then": codes,
+                      "survivor_served": _served([survivor])[0] - before}
+    progress(f"killed mid-stream after {chunks} of {body['max_tokens']} chunks: the client saw {outcome}; "
+             f"the next {probes} requests got {codes}, {acts['killed']['survivor_served']:.0f} served by the "
+             "survivor")
+    # 2. recovery: the same worker restarted on its port
+    t0 = time.perf_counter()
+    victim.restart()
+    back = _wait(lambda: httpx.get(router.url + "/health", timeout=2).status_code == 200, 10)
+    time.sleep(2.0)  # one health check past success
+    before = _served(workers)
+    codes = [_post(router.url, short)[0] for _ in range(probes)]
+    spread = [a - b for a, b in zip(_served(workers), before)]
+    acts["recovered"] = {"restart_s": time.perf_counter() - t0, "router_healthy": back, "then": codes,
+                         "served_by": spread}
+    progress(f"restarted ({acts['recovered']['restart_s']:.0f} s): the next {probes} requests got {codes}, "
+             f"served {spread[0]:.0f} / {spread[1]:.0f} by the two workers")
+    return acts
+
+
 def fault_drill(workers, model: str, request_timeout_s: int = 4, probes: int = 4, progress=print) -> dict:
     """The four acts (module docstring) against two started workers (``pd.cluster.Worker``); returns what each act
     saw. ``model``: the name the workers serve. ``progress``: called with one line per act."""
@@ -100,39 +126,32 @@ def fault_drill(workers, model: str, request_timeout_s: int = 4, probes: int = 4
         # 1. killed mid-stream
         body = {**short, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
         chunks, outcome, victim = 0, "finished", None
-        with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
-            try:
-                for line in r.iter_lines():
-                    chunks += line.startswith("data: {")
-                    if chunks == 5 and victim is None:
-                        victim = next(w for w in workers if _metrics(w).get("labsupport:num_requests_running") == 1)
-                        victim.kill()
-                    if line == "data: [DONE]":
-                        break
-                else:
-                    outcome = "cut (the connection closed without [DONE])"
-            except httpx.HTTPError as exc:
-                outcome = f"error: {type(exc).__name__}"
-        survivor = next(w for w in workers if w is not victim)
-        time.sleep(2.5)  # health checks every second, one failure marks the worker down
-        before = _served([survivor])[0]
-        codes = [_post(router.url, short)[0] for _ in range(probes)]
-        acts["killed"] = {"chunks": chunks, "of": body["max_tokens"], "outcome": outcome, "then": codes,
-                          "survivor_served": _served([survivor])[0] - before}
-        progress(f"killed mid-stream after {chunks} of {body['max_tokens']} chunks: the client saw {outcome}; "
-                 f"the next {probes} requests got {codes}, {acts['killed']['survivor_served']:.0f} served by the survivor")
-        # 2. recovery: the same worker restarted on its port
-        t0 = time.perf_counter()
-        victim.restart()
-        back = _wait(lambda: httpx.get(router.url + "/health", timeout=2).status_code == 200, 10)
-        time.sleep(2.0)  # one health check past success
-        before = _served(workers)
-        codes = [_post(router.url, short)[0] for _ in range(probes)]
-        spread = [a - b for a, b in zip(_served(workers), before)]
-        acts["recovered"] = {"restart_s": time.perf_counter() - t0, "router_healthy": back, "then": codes,
-                             "served_by": spread}
-        progress(f"restarted ({acts['recovered']['restart_s']:.0f} s): the next {probes} requests got {codes}, "
-                 f"served {spread[0]:.0f} / {spread[1]:.0f} by the two workers")
+        try:
+            with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
+                try:
+                    for line in r.iter_lines():
+                        chunks += line.startswith("data: {")
+                        if chunks == 5 and victim is None:
+                            busy = [w for w in workers if _metrics(w).get("labsupport:num_requests_running") == 1]
+                            if len(busy) != 1:
+                                raise RuntimeError(f"expected one worker streaming, found {len(busy)}: is another "
+                                                   "client using these workers?")
+                            victim = busy[0]
+                            victim.kill()
+                        if line == "data: [DONE]":
+                            break
+                    else:
+                        outcome = "cut (the connection closed without [DONE])"
+                except httpx.HTTPError as exc:
+                    outcome = f"error: {type(exc).__name__}"
+            if victim is None:
+                raise RuntimeError(f"the stream ended after {chunks} chunks, before a worker could be killed")
+            survivor = next(w for w in workers if w is not victim)
+            acts.update(_after_the_kill(router, workers, victim, survivor, short, body, chunks, outcome, probes,
+                                        progress))
+        finally:
+            if victim is not None and not victim.alive:
+                victim.restart()  # a failed act must not leave the caller a dead worker
         # 3. frozen: SIGSTOP to one worker's whole process group
         frozen = workers[0]
         counters0 = _router_counters(router)
@@ -161,6 +180,7 @@ def fault_drill(workers, model: str, request_timeout_s: int = 4, probes: int = 4
     # nothing leaked
     leaked = {w.name: not _wait(lambda w=w: _idle(w), 15) for w in workers}
     acts["leaked"] = leaked
-    progress("afterwards: " + ", ".join(f"{name}: {'blocks still held or requests running' if bad else 'every block free, nothing running'}"
-                                        for name, bad in leaked.items()))
+    progress("afterwards: " + ", ".join(
+        f"{name}: {'blocks still held or requests running' if bad else 'every block free, nothing running'}"
+        for name, bad in leaked.items()))
     return acts

@@ -38,6 +38,7 @@ from ..bench.summary import summarize
 from ..engine.config import EngineConfig
 from ..engine.request import SamplingParams
 from ..pd.routing import Shed, make_policy
+from ..measure import AGAIN
 from ..percentiles import percentile
 from .kv_link import KVLink, SimConnector
 from .profiles import block_bytes, load_profile
@@ -408,7 +409,7 @@ def slo_grid(cells: dict, layouts: dict, slos: dict, profile, max_prompt_len: in
         grid[cell] = {}
         runs = [(name, layout, workload) for name, layout in layouts.items()]
         if again is not None:
-            runs.append((f"{again[0]} (again)", layouts[again[0]], again[1][cell]))
+            runs.append((again[0] + AGAIN, layouts[again[0]], again[1][cell]))
         for name, layout, workload in runs:
             _, _, outputs = simulate_pd_run(workload, profile, **{**options, **layout})
             judged = [o for o in outputs if max_prompt_len is None or len(o.prompt_token_ids) < max_prompt_len]
@@ -422,7 +423,7 @@ def crossover(grid: dict, slo: str, split: str, together: str) -> dict:
     ``together``'s), ``"together"`` (below) or ``"level"`` (the intervals overlap): ``{cell: word}``. Where the grid
     ran ``together`` again on other arrivals (``slo_grid``'s ``again``), the gap must also exceed that A/A pair's."""
     from ..measure import share_verdict
-    again = f"{together} (again)"
+    again = together + AGAIN
     return {cell: share_verdict(row[together][slo], row[split][slo], "split", "together",
                                 aa=(row[together][slo], row[again][slo]) if again in row else None)
             for cell, row in sorted(grid.items())}

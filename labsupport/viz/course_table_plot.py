@@ -5,7 +5,7 @@ as package data; this module only reads that run and draws it: a table of rows 0
 chapters left out, this chapter's row highlighted) with a caption saying when, where and at what price
 it was measured, and a plot of cost per million output tokens beside goodput under bursty load.
 
-Two layouts of the saved run are read. Schema 2 and 3 (``"schema": 2``) measure every row under both gamma
+Two layouts of the saved run are read. Schemas 2 and 3 (``"schema": 2`` or ``3``) measure every row under both gamma
 (bursty) and Poisson arrivals with 100 requests each (schema 2: row 00 only its first few; 3: all of them):
 the load columns then read "gamma / Poisson". A run
 without the key is the first layout (24 requests, gamma only, row 07 with twice the KV): it is drawn as
@@ -114,12 +114,13 @@ def caption(t: dict) -> str:
                 f"{t['model']}; help-desk chats: the handbook's opening lines (at least {z['system_tokens']} tokens) "
                 f"as a system prompt every request shares, then one employee's question (prompts "
                 f"{w['capacity']['prompt_tokens_mean']:.0f} tokens on average), answers of "
-                f"{'/'.join(str(n) for n in z['output_lens'])} tokens; every row priced at ${t['usd_per_hour']:.2f}/hour; "
-                f"capacity {w['capacity']['requests']} requests at once; load: {load_}"
-                f"{'' if t.get('schema', 2) >= 3 else ' (row 00: its first ' + str(z.get('row00_requests')) + ' only)'}"
+                f"{'/'.join(str(n) for n in z['output_lens'])} tokens; every row priced at "
+                f"${t['usd_per_hour']:.2f}/hour; capacity {w['capacity']['requests']} requests at once; load: {load_}"
+                + ("" if t.get("schema", 2) >= 3 else f" (row 00: its first {z.get('row00_requests')} only)") +
                 f"; one KV budget for every row, "
                 f"{z['kv_blocks']} blocks of {z['block_size']} tokens ({z['kv_bytes'] / 2**20:.1f} MiB; row 07's "
-                f"two workers split it); SLOs TTFT <= {t['slo_ms']['ttft']:.0f} ms, TPOT <= {t['slo_ms']['tpot']:.0f} ms; "
+                f"two workers split it); SLOs TTFT <= {t['slo_ms']['ttft']:.0f} ms, "
+                f"TPOT <= {t['slo_ms']['tpot']:.0f} ms; "
                 f"tails are P99 with >= {t['min_p99_samples']} samples, else max.")
     return (f"Measured {t['date']} on {m['cpu']} ({m['cores']} cores, {m['device']}, torch {m['torch']}), "
             f"{t['model']}; every row priced at ${t['usd_per_hour']:.2f}/hour; bursty load "
