@@ -118,6 +118,9 @@ def fault_drill(workers, model: str, request_timeout_s: int = 4, probes: int = 4
     saw. ``model``: the name the workers serve. ``progress``: called with one line per act."""
     if len(workers) != 2:
         raise ValueError("the drill needs two workers: one to fail, one to survive")
+    down = [w.name for w in workers if not w.alive]
+    if down:
+        raise ValueError(f"start every worker before the drill: {', '.join(down)} not running")
     short = {"model": model, "prompt": "A router in front of two workers", "max_tokens": 4, "temperature": 0}
     acts = {}
     args = [*HEALTH, "--request-timeout-secs", str(int(request_timeout_s)), "--retry-max-retries", "2",
