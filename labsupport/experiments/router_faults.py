@@ -31,6 +31,7 @@ import time
 import httpx
 
 from ..pd.production_router import ProductionRouter
+from ..bench.serving.soak_probes import metrics
 from ..serve.metrics import parse_metrics
 
 HEALTH = ["--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--health-success-threshold", "1",
@@ -38,7 +39,7 @@ HEALTH = ["--health-check-interval-secs", "1", "--health-failure-threshold", "1"
 
 
 def _metrics(worker) -> dict[str, float]:
-    return parse_metrics(httpx.get(worker.url + "/metrics", timeout=10).text)
+    return metrics(worker.url)
 
 
 def _served(workers) -> list[float]:
@@ -56,19 +57,9 @@ def _post(url: str, body: dict, timeout: float = 60.0) -> tuple[int, float]:
 
 
 def _router_counters(router) -> dict[str, float]:
-    """The router's retry and circuit-breaker counters, summed over their labels."""
-    out = collections.Counter()
-    for line in router.metrics().splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        name, _, value = line.rpartition(" ")
-        base = name.split("{")[0]
-        if base.endswith("_total") and any(word in base for word in ("retr", "circuit", "cb_")):
-            try:
-                out[base] += float(value)
-            except ValueError:
-                pass
-    return dict(out)
+    """The router's retry and circuit-breaker counters, summed over their labels (``parse_metrics``' plain names)."""
+    return {name: value for name, value in parse_metrics(router.metrics()).items()
+            if "{" not in name and name.endswith("_total") and any(w in name for w in ("retr", "circuit", "cb_"))}
 
 
 def _wait(predicate, timeout: float, interval: float = 0.2) -> bool:
