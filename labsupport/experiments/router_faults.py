@@ -13,9 +13,12 @@ and what the router's own counters say (its Prometheus text: retries, circuit-br
 3. **frozen** (SIGSTOP): the worker accepts connections and never answers, the failure a health check sees
    last. ``--request-timeout-secs`` ends each try, ``--retry-max-retries`` sends it to the other worker, and
    the circuit breaker (``--cb-failure-threshold``) stops sending there at all; SIGCONT, and it serves again.
-4. **overload**: a router with ``--max-concurrent-requests 1 --queue-size 1 --queue-timeout-secs 2`` meets a
-   burst it cannot hold: what it cannot start within the queue timeout gets a status code (the drill reports
-   which: a full queue's 429, a queue wait past the timeout's 408) instead of an unbounded wait.
+4. **overload**: a router with ``--max-concurrent-requests 1`` meets a burst it cannot hold, twice. Its
+   concurrency limit is a token bucket with an optional queue in front (``src/middleware.rs`` in vllm-router):
+   with ``--queue-size 0`` (no queue) a request that finds no token is refused at once with **429**; with a
+   queue, a queue-processing task takes each queued request off the channel at once and waits for a token on
+   its behalf, so the channel hardly ever fills and the refusal comes later, as **408** when
+   ``--queue-timeout-secs`` passes. Either way the client gets a status code instead of an unbounded wait.
 
 Then every block of both workers must be free and nothing running in them: a fault must not leak. The
 drill reports counts and codes, never a speed: each act is one run, so its timings are single samples.
@@ -161,16 +164,21 @@ def fault_drill(workers, model: str, request_timeout_s: int = 4, probes: int = 4
                  f"{', '.join(f'{s:.1f}' for s in acts['frozen']['seconds'])} s (request timeout "
                  f"{request_timeout_s:g} s); router counters that moved: {acts['frozen']['router_counters'] or 'none'}")
         _wait(lambda: _idle(frozen), 15)
-    # 4. overload: one at a time, one waiting
+    # 4. overload: one at a time, no queue (429), then a queue with a timeout (408)
     burst = 6
-    with ProductionRouter(workers=workers, policy="round_robin",
-                          args=[*HEALTH, "--max-concurrent-requests", "1", "--queue-size", "1",
-                                "--queue-timeout-secs", "2"]) as router:
-        slow = {**short, "max_tokens": 48, "ignore_eos": True}
-        with concurrent.futures.ThreadPoolExecutor(burst) as pool:
-            got = list(pool.map(lambda _: _post(router.url, slow), range(burst)))
-        acts["overload"] = {"burst": burst, "codes": dict(collections.Counter(c for c, _ in got))}
-        progress(f"a burst of {burst} at a router holding 1 at a time and queueing 1: {acts['overload']['codes']}")
+    slow = {**short, "max_tokens": 48, "ignore_eos": True}
+    acts["overload"] = {}
+    for label, queue in (("no queue", ["--queue-size", "0"]),
+                         ("queue, 1 s timeout", ["--queue-size", "4", "--queue-timeout-secs", "1"])):
+        with ProductionRouter(workers=workers, policy="round_robin",
+                              args=[*HEALTH, "--max-concurrent-requests", "1", *queue]) as router:
+            with concurrent.futures.ThreadPoolExecutor(burst) as pool:
+                got = list(pool.map(lambda _: _post(router.url, slow), range(burst)))
+        codes = dict(collections.Counter(c for c, _ in got))
+        acts["overload"][label] = {"burst": burst, "codes": codes}
+        progress(f"a burst of {burst} at a router holding 1 at a time, {label}: "
+                 + ", ".join(f"{n} x {c}" for c, n in sorted(codes.items(), key=lambda kv: str(kv[0]))))
+        _wait(lambda: all(_idle(w) for w in workers), 15)
     # nothing leaked
     leaked = {w.name: not _wait(lambda w=w: _idle(w), 15) for w in workers}
     acts["leaked"] = leaked
