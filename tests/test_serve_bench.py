@@ -82,6 +82,20 @@ def test_python_api_with_max_concurrency(server, llm):
         assert 0 < r.ttft <= r.latency and r.tpot > 0
 
 
+def test_each_request_records_the_prompt_tokens_the_server_found_cached():
+    """usage.prompt_tokens_details.cached_tokens, per request: the same prompt sent twice, one after the other, finds
+    its full blocks cached the second time; a prompt nobody sent before finds none."""
+    from labsupport import LLM
+    cached_llm = LLM(device="cpu", enable_prefix_caching=True, num_blocks=64)
+    first, other = sample_requests(cached_llm.tokenizer, "random", 2, 64, 2, seed=41)
+    with BackgroundServer(create_app(cached_llm)) as srv:
+        result = benchmark(srv.url, cached_llm.model_name, [first, first, other], rate=math.inf, max_concurrency=1,
+                           progress=False, test_request=False, endpoint="/v1/completions")   # no chat template
+    cached = [r.cached_tokens for r in result.requests]
+    assert all(r.success for r in result.requests) and cached[0] == 0 and cached[2] == 0, cached
+    assert 0 < cached[1] < 64 and cached[1] % cached_llm.engine.config.block_size == 0, cached
+
+
 def test_interrupting_a_benchmark_in_a_notebook_returns_at_once_and_the_server_aborts_its_requests(server, llm):
     """The stop button during a sweep: KeyboardInterrupt in the kernel's thread while the load runs in its
     own. It must come back within a second (it took 5-9 s), and the requests must not run on."""

@@ -43,6 +43,7 @@ class RequestResult:
     latency: float = 0.0  # E2E: send to the last token's chunk
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0  # the server's usage count; the number of text chunks if it sends none
+    cached_tokens: int = 0  # prompt tokens the server found in its prefix cache (usage.prompt_tokens_details), 0 if unsaid
     generated_text: str = ""
 
     @property
@@ -137,6 +138,7 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict, req: Sam
                 if obj.get("usage"):
                     out.output_tokens = obj["usage"].get("completion_tokens") or 0
                     out.prompt_len = obj["usage"].get("prompt_tokens") or out.prompt_len
+                    out.cached_tokens = (obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 for choice in obj.get("choices") or []:
                     text = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
                     if text:  # a role-only first chunk is no token: TTFT waits for text
