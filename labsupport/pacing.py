@@ -10,10 +10,11 @@ The rule, stated once:
   at ``READING_WPM`` words a minute, slower than the 200-250 of plain prose because these cells hold tables,
   figures and arithmetic; plus ``SECONDS_PER_CODE_CELL`` for each code cell (read it, run it, read what it
   printed). The chapter's own run time is inside that: the course holds it to 3 minutes on a 2-core CPU.
-* **Exercises**, by kind, from the heading above each exercise cell (``tests/test_exercises.py`` holds the
-  headings to the convention): a warm-up (the text gives the steps, the attendee writes them) ``WARM_UP``
-  minutes; a hard exercise (a design the check judges against planted mistakes) ``HARD``; any other
-  exercise ``EXERCISE``. Hints and reveals are collapsed, so they are not counted as reading.
+* **Exercises**, by kind, from the heading above each exercise cell: a heading that starts "Warm-up:" (the text
+  gives the steps, the attendee writes them; ``tests/test_exercises.py`` holds warm-ups to that label)
+  ``WARM_UP`` minutes; one with the word "hard" (a design the check judges against planted mistakes)
+  ``HARD``; any other exercise ``EXERCISE``. Hints and reveals are collapsed, so they are not counted as
+  reading; an exercise's code cell counts its 20 seconds of reading too (the attendee reads the stub).
 * Each part is rounded up to 5 minutes.
 
 The budgets, against walls of text and cells that bury their measurement in formatting:
@@ -61,7 +62,13 @@ def visible_words(markdown: str) -> int:
 
 def exercise_kind(heading: str | None) -> str:
     heading = (heading or "").lower()
-    return "warm-up" if heading.startswith("warm-up") else "hard" if "hard" in heading else "exercise"
+    return "warm-up" if heading.startswith("warm-up") else "hard" if re.search(r"\bhard\b", heading) else "exercise"
+
+
+def headings(markdown: str) -> list[str]:
+    """The markdown headings of a cell, not counting ``#`` lines inside code fences or collapsed hints."""
+    shown = re.sub(r"```.*?```", " ", HIDDEN.sub(" ", markdown), flags=re.S)
+    return [HEADING.match(line).group(1) for line in shown.splitlines() if line.startswith("#")]
 
 
 MINUTES = {"warm-up": WARM_UP, "exercise": EXERCISE, "hard": HARD}
@@ -133,9 +140,7 @@ def pace(path: Path) -> Pace:
             words += n
             if n > (OPENING_WORDS if i == 0 else WORDS_PER_CELL):
                 walls.append((i, n))
-            for line in source.splitlines():
-                if line.startswith("#"):
-                    heading = HEADING.match(line).group(1)
+            heading = (headings(source) or [heading])[-1]
         elif cell["cell_type"] == "code":
             code += 1
             if "exercise" in cell.get("metadata", {}).get("tags", []):

@@ -54,6 +54,13 @@ def test_the_rule_counts_visible_words_code_cells_and_exercises_by_kind(tmp_path
                                       "(10), an exercise (15) and the hard exercise (25))")
 
 
+def test_headings_in_code_fences_and_hints_do_not_name_an_exercise_and_hardware_is_not_hard():
+    assert pacing.headings("## 2. Warm-up: a loop\n```\n# a comment in a fence\n```\n<details># hidden</details>") == \
+        ["Warm-up: a loop"]
+    assert pacing.exercise_kind("Exercise: the hardware counters") == "exercise"
+    assert pacing.exercise_kind("Exercise (the hard part): schedule()") == "hard"
+
+
 def test_a_wall_of_text_and_a_cell_of_formatting_are_caught(tmp_path):
     path = _notebook(tmp_path, [md("# 99 · Made up\n" + "w " * 540), md("w " * 501),
                                 code("\n".join(f"x{i} = {i}" for i in range(61))),

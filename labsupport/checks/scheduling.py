@@ -58,7 +58,7 @@ def _simulate(schedule_fn, name, max_seqs, budget, num_blocks, block_size, arriv
             batch = s.schedule()
         except MemoryError:
             _fail(name, step, "a block was allocated with none free: check s.kv.can_allocate(req, n) before "
-                              "s.add_to_batch(), and preempt the newest running request when blocks run out")
+                              "s.add_to_batch(), and preempt a running request not yet in this step when blocks run out")
         except TypeError as exc:
             if "SchedulerOutput" not in str(exc):
                 raise  # a bug inside the attendee's function: show its own traceback
