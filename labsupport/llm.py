@@ -109,6 +109,11 @@ class LLM:
         """``with llm.plugged(schedule_fn=schedule): ...``: see ``LLMEngine.plugged``."""
         return self.engine.plugged(**pieces)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the KV prefix cache (device and CPU tier), as vLLM's ``LLM.reset_prefix_cache``: False, and
+        nothing forgotten, while a request holds blocks (``KVCacheManager.reset_prefix_cache``)."""
+        return self.engine.kv.reset_prefix_cache()
+
     def shutdown(self):
         """Abort unfinished requests and return this LLM's memory now (KV cache, its hold on the weights):
         ``LLMEngine.shutdown``. Idempotent; a later ``generate`` raises RuntimeError. An ``LLM`` that

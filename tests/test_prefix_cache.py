@@ -117,6 +117,28 @@ def test_cpu_tier_copies_evicted_blocks_back_instead_of_recomputing(uncached):
     assert stats["cpu_tier_hits"] > 0 and stats["cpu_tier_blocks"] > 0
 
 
+def test_reset_prefix_cache_makes_the_next_run_compute_its_whole_prompt(uncached):
+    """vLLM's ``LLM.reset_prefix_cache``: a benchmark's repeat starts cold. Device index and CPU tier forgotten,
+    refused (False, nothing forgotten) while a request holds blocks; the answers do not change."""
+    llm = LLM(device="cpu", enable_prefix_caching=True, num_blocks=48, cpu_offload_blocks=256)
+    first, second = prompt_dicts(llm)[:2]
+    llm.generate(first, GREEDY, use_tqdm=False)
+    llm.generate("filler " * 600, SamplingParams(max_tokens=2), use_tqdm=False)  # some of it into the CPU tier
+    assert llm.stats()["cpu_tier_blocks"] > 0
+    running = llm.engine.add_request(second["prompt_token_ids"], GREEDY)
+    llm.engine.step()
+    assert llm.reset_prefix_cache() is False and llm.stats()["cpu_tier_blocks"] > 0
+    llm.engine.abort(running)
+    assert llm.reset_prefix_cache() is True and llm.stats()["cpu_tier_blocks"] == 0
+    before = llm.stats()
+    again = llm.generate(first, GREEDY, use_tqdm=False)[0]
+    after = llm.stats()
+    assert after["prompt_tokens_computed"] - before["prompt_tokens_computed"] == len(again.prompt_token_ids)
+    assert after["prefix_cache_hits"] == before["prefix_cache_hits"] and after["cpu_tier_hits"] == before["cpu_tier_hits"]
+    assert again.token_ids == uncached[0]
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
 def test_result_cache_only_for_deterministic_requests(cached_llm):
     sampled = SamplingParams(max_tokens=6, temperature=0.9)
     seeded = SamplingParams(max_tokens=6, temperature=0.9, seed=7)

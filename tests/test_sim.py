@@ -189,18 +189,31 @@ def test_the_simulated_scheduler_takes_the_real_runs_schedule_on_the_step_clock(
 
 @pytest.mark.slow
 def test_validation_on_two_small_workloads_reports_finite_errors(llm):
-    """A quick calibration here, then two small workloads nobody tuned it for, real and simulated."""
-    from labsupport.sim.calibrate import calibrate
+    """Two small workloads nobody tuned it for, real (twice) and simulated on a profile fitted around the real runs
+    (a quick calibration before and after them)."""
     from labsupport.sim.validate import format_validation, validate
-    profile = calibrate(llm, quick=True)
     tokens = [list(range(1000 + i, 1000 + i + 400)) for i in range(0, 4000, 400)]
     work = {"poisson": [BenchRequest(t, tokens[i][:n], m) for i, (t, n, m) in
                         enumerate([(0, 40, 8), (0.5, 90, 12), (1.2, 40, 6), (1.4, 60, 10)])],
             "batch": [BenchRequest(0.0, tokens[4 + i][:50], 10) for i in range(4)]}
-    v = validate(work, llm=llm, profile=profile, repeats=1)
+    v = validate(work, llm=llm, repeats=2, quick=True)
     print(format_validation(v))
+    assert v["fitted_around_runs"] and v["profile_fit"]["n_steps"] > 2 * len(FEATURES)
     for result in v["workloads"].values():  # bounds a busy machine cannot cross by chance: the errors are printed
+        assert len(result["runs"]) == 2 and set(result["aa_error"]) == set(result["error"])
+        for key in ("p50_ttft_ms", "output_throughput"):  # the measured figure is the runs' mean
+            assert result["measured"][key] == pytest.approx(sum(r[key] for r in result["runs"]) / 2)
         for name, error in result["error"].items():
             assert math.isfinite(error) and 0.2 < 1 + error < 5, (name, error)
     batch = v["workloads"]["batch"]  # all arrive at once: the same schedule, so the same count of steps
     assert batch["measured"]["engine_steps"] == batch["predicted"]["engine_steps"]
+
+
+def test_the_calibration_times_prompts_joining_a_decoding_batch(llm):
+    """Under arrivals most prompts share their step with decodes: the calibration has such mixed steps, read from
+    the batch as the runner receives it."""
+    from labsupport.sim.calibrate import calibration_runs
+    records = calibration_runs(llm, quick=True)
+    mixed = [r for r in records if r["prefill_tokens"] and r["decode_rows"]]
+    assert any(r["prefill_tokens"] == 128 and r["decode_rows"] == 1 for r in mixed)  # JOINING's first shape
+    assert all(r["duration_s"] > 0 for r in records)

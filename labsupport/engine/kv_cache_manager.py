@@ -262,10 +262,24 @@ class KVCacheManager(KVManager):
         if self.tables:
             raise ValueError(f"{len(self.tables)} requests hold blocks: swap the allocator while the engine is idle")
         self.allocator = allocator
+        self._forget_device_cache()  # cached entries named blocks of the old allocator
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, on the device and in the CPU tier (vLLM's ``LLM.reset_prefix_cache``), so
+        the next request computes its whole prompt: a benchmark's repeat starts as cold as its first run. Only
+        while no request holds blocks: False then, and nothing changes."""
+        if self.tables:
+            return False
+        self._forget_device_cache()
+        if self.cpu_tier is not None:
+            self.cpu_tier.clear()
+        return True
+
+    def _forget_device_cache(self):
         if self.prefix_cache is not None:
             if self.events is not None and self.prefix_cache.block_of:
                 self.events.removed(list(self.prefix_cache.block_of), "GPU")
-            self.prefix_cache = PrefixCache()  # cached entries named blocks of the old allocator
+            self.prefix_cache = PrefixCache()  # the blocks stay in the free list: only the index goes
 
     # ------------------------------------------------------------------ prefix caching
 

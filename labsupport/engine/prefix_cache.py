@@ -118,6 +118,13 @@ class CPUTier:
         if self.events is not None:
             self.events.stored([h], list(tokens), "CPU")
 
+    def clear(self):
+        """Drop every copy (``KVCacheManager.reset_prefix_cache``)."""
+        if self.events is not None and self.slot_of:
+            self.events.removed(list(self.slot_of), "CPU")
+        self.slot_of.clear()
+        self.free_slots = list(range(self.num_blocks))
+
     def contains(self, h: bytes, tokens: tuple) -> bool:
         entry = self.slot_of.get(h)
         return entry is not None and entry[1] == tokens

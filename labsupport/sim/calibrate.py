@@ -1,12 +1,13 @@
 """The ``cpu`` profile: the default model's real steps on this machine, timed and fitted (``cost_model.fit``).
 
 A short calibration runs ``LLM(device="cpu")`` (float32) over prompts of varied lengths (prefill alone),
-batches of 1 to 32 sequences at short and long contexts (decode rows and the context they read), and one long
-prompt fed in chunks (attention pairs after a computed start). Each step's features are read as it is handed
-to the runner, before it runs; its duration is the engine's own record (``engine.last_step``: start to end,
-scheduling and bookkeeping included, as a simulated step's ``step`` coefficient holds them). The profile is
-cached per machine (``machine.machine()``'s CPU, vector units, cores, threads and torch) under the model
-cache, and reused; ``recalibrate=True`` makes it afresh. The calibration's workloads are not the validation's.
+batches of 1 to 32 sequences at short and long contexts (decode rows and the context they read), prompts joining
+a batch that is decoding (the mixed steps arrivals make), and one long prompt fed in chunks (attention pairs after
+a computed start). Each step's features are read as it is handed to the runner, before it runs; its duration is
+the engine's own record (``engine.last_step``: start to end, scheduling and bookkeeping included, as a simulated
+step's ``step`` coefficient holds them). The profile is cached per machine (``machine.machine()``'s CPU, vector
+units, cores, threads and torch) under the model cache, and reused; ``recalibrate=True`` makes it afresh. The
+calibration's workloads are not the validation's.
 """
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ import time
 
 from .cost_model import StepCostModel, step_features
 
-PREFILL_LENS = (24, 96, 256, 512, 1024)  # one request each, a few tokens out: prefill alone, then B=1 decodes
+PREFILL_LENS = (24, 64, 96, 160, 256, 512, 1024)  # one request each, a few tokens out: prefill alone, then B=1 decodes
+JOINING = ((1, 128), (4, 64), (8, 192), (2, 320))  # (sequences decoding, prompt length): a prompt joins a batch
+QUICK_PREFILL_LENS = (24, 96, 256)  # the quick calibration's (tests, chapter 07's one-core fit)
 DECODE_SHAPES = ((4, 48), (16, 48), (32, 24), (8, 160), (12, 100), (2, 700))  # (sequences, prompt length)
 DECODE_STEPS = 8
 CHUNKED = (1400, 256)  # one prompt of this many tokens fed in chunks of this budget, beside two decoders
@@ -52,14 +55,15 @@ def recording_steps(engine):
         del runner.execute, engine.step  # the instance's own methods again
 
 
-def calibration_runs(llm, quick: bool = False) -> list[dict]:
-    """Run the calibration workloads on ``llm`` (``quick``: a third of them, shorter; for tests); returns their
-    step records."""
+def calibration_runs(llm, quick: bool = False, seed: int = 11) -> list[dict]:
+    """Run the calibration workloads on ``llm`` (``quick``: about a third of them, shorter; for tests and chapter
+    07's one-core fit); returns their step records. ``seed`` draws the prompts (another seed: other text, so a
+    prefix cache finds none of the last calibration's)."""
     from ..bench.offline.workload import _token_pool
     from ..engine.request import SamplingParams
     import random
     pool = _token_pool(llm.tokenizer, random.Random(7))
-    rng = random.Random(11)
+    rng = random.Random(seed)
 
     def prompts(n, length):
         starts = [rng.randrange(0, len(pool) - length) for _ in range(n)]
@@ -70,10 +74,18 @@ def calibration_runs(llm, quick: bool = False) -> list[dict]:
 
     llm.generate(prompts(2, 32), params(4), use_tqdm=False)  # warm-up: first-touch pages, kernels loaded
     with recording_steps(llm.engine) as records:
-        for length in PREFILL_LENS[:3] if quick else PREFILL_LENS:
+        for length in QUICK_PREFILL_LENS if quick else PREFILL_LENS:
             llm.generate(prompts(1, length), params(4), use_tqdm=False)
         for n, length in DECODE_SHAPES[::3] if quick else DECODE_SHAPES:
             llm.generate(prompts(n, length), params(DECODE_STEPS), use_tqdm=False)
+        for n, length in JOINING[:1] if quick else JOINING:  # under arrivals most prompts share a step with decodes
+            for p in prompts(n, 40):
+                llm.engine.add_request(p["prompt_token_ids"], params(DECODE_STEPS))
+            for _ in range(2):
+                llm.engine.step()
+            llm.engine.add_request(prompts(1, length)[0]["prompt_token_ids"], params(2))
+            while llm.engine.has_unfinished_requests():
+                llm.engine.step()
         length, budget = (CHUNKED[0] // 3, CHUNKED[1] // 2) if quick else CHUNKED
         with llm.engine.options(enable_chunked_prefill=True, max_num_batched_tokens=budget):
             llm.generate(prompts(2, 32) + prompts(1, length), [params(24), params(24), params(2)], use_tqdm=False)

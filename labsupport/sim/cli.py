@@ -8,7 +8,8 @@
     python -m labsupport bench simulate --profile h100-llama-3.1-8b --replicas 2 --policy least_loaded ...
 
 Every figure it prints is labelled "simulated, profile X"; ``--validate`` runs the same workload for real on this
-machine and simulated on the ``cpu`` profile and prints both with the relative error.
+machine (``--repeats`` times), fits the ``cpu`` profile around those runs (``validate.py`` says why), simulates the
+workload on it and prints both with the relative error, the real runs' own spread and the cached profile's error.
 """
 from __future__ import annotations
 
@@ -124,7 +125,7 @@ def main(args) -> int:
     result = {"simulated": summary, "workload": {k: v for k, v in vars(args).items() if k not in left_out}}
     if args.validate:
         from .validate import format_validation, validate
-        check = validate({args.workload: workload}, recalibrate=False, repeats=args.repeats, **options)
+        check = validate({args.workload: workload}, repeats=args.repeats, clock=clock, **options)
         print(format_validation(check))
         result["validation"] = check
     if args.json:
