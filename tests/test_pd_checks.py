@@ -176,7 +176,7 @@ def test_reference_hand_off_passes(engines, llm, capsys):
 # ---------------------------------------------------------------- the decode side: land_transfers
 
 def landing(lost_lease=False, double_free=False, recompute_from=1, keep_computed=False, missed_failure=False,
-            ignored_failure=False, no_fail_policy=False, requeue_aborted=False):
+            ignored_failure=False, no_fail_policy=False, requeue_aborted=False, requeue_aborted_landed=False):
     """The engine's rule with one planted mistake switched on (each keyword is one)."""
     from labsupport.engine.request import RequestStatus
 
@@ -195,7 +195,7 @@ def landing(lost_lease=False, double_free=False, recompute_from=1, keep_computed
             if req is None:
                 continue
             req.remote_kv.load_done = True
-            if req.is_finished and not requeue_aborted:
+            if req.is_finished and not requeue_aborted and (rid in failures or not requeue_aborted_landed):
                 lc.kv.release(req)
                 continue
             if rid in failures and lc.connector.failure_policy == "fail" and not no_fail_policy:
@@ -220,6 +220,7 @@ PLANTED_LANDINGS = [
     ({"ignored_failure": True}, "'recompute': the request never finished: a failed load must not leave it parked"),
     ({"no_fail_policy": True}, "'fail': the request finished with 'length': this policy ends it with an error"),
     ({"requeue_aborted": True}, "aborted while its KV was loading: the aborted request ran again and produced"),
+    ({"requeue_aborted_landed": True}, "aborted while its KV was loading, the load then landing: "),
 ]
 
 

@@ -319,7 +319,8 @@ def check_land_transfers(land_fn, prefill_llm, decode_llm, colocated_llm):
     the prefill worker's held blocks are freed once pulled; (2) a load that fails under
     ``kv_load_failure_policy="recompute"``: the decode worker computes the whole prompt and answers the same;
     (3) the same under ``"fail"``: the request ends with an error; (4) a request aborted while its load runs:
-    its blocks are freed once the load ends, and it never comes back. Every case leaves both engines idle.
+    its blocks are freed once the load ends (here it fails), and it never comes back; (5) the same with a load
+    that lands. Every case leaves both engines idle.
     Whatever the attendee's function left behind is settled with the engine's own before the next case."""
     from ..engine.lifecycle import land_transfers as reference
     require_idle_pair(prefill_llm, decode_llm, "the check")
@@ -474,11 +475,32 @@ def check_land_transfers(land_fn, prefill_llm, decode_llm, colocated_llm):
                 raise CheckFailed(f"{case}: the aborted request ran again and produced {len(req.output_token_ids)} "
                                   "tokens: once its load ends, an aborted request only frees its blocks")
             idle_after(case, ("decode_llm",))
+            # (5) aborted after its pull started, the pull then landing: the engine learns of the landing at
+            # the next step's poll, so the abort always comes first, however quick the pull
+            connector.pull_timeout_s = timeout
+            case = "a request aborted while its KV was loading, the load then landing"
+            pre = prefill_llm.generate({"prompt": PROMPT, "cache_salt": f"check-{uuid.uuid4().hex}"},
+                                       SamplingParams(max_tokens=1, temperature=0, ignore_eos=True,
+                                                      kv_transfer_params={"do_remote_decode": True}),
+                                       use_tqdm=False, use_result_cache=False)[0]
+            raised(case)
+            params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True,
+                                    kv_transfer_params=pre.kv_transfer_params)
+            req = decode_llm.engine.add_request(list(want.prompt_token_ids), params,
+                                                cache_salt=f"check_land_transfers-{uuid.uuid4().hex}")
+            mine.append(req)
+            decode_llm.engine.step()  # parked: its blocks reserved, the pull started
+            decode_llm.engine.abort(req)
+            drain(decode_llm, case)
+            if req.output_token_ids:
+                raise CheckFailed(f"{case}: the aborted request ran again and produced {len(req.output_token_ids)} "
+                                  "tokens: a load that lands for an aborted request only frees its blocks")
+            idle_after(case)
     finally:
         connector.failure_policy, connector.pull_timeout_s = policy, timeout
         settle()
         quiet.setLevel(level)
     passed(f"your land_transfers on both workers: a landed {n}-token prompt's KV was used (1 prompt token computed, "
            f"{NEW_TOKENS} tokens equal the colocated engine's), the pulled blocks were freed; a failed load computed "
-           "the prompt (policy 'recompute') or failed the request ('fail'); an aborted load freed its blocks; both "
-           "engines idle after each case")
+           "the prompt (policy 'recompute') or failed the request ('fail'); an aborted request's load, failed or "
+           "landed, freed its blocks; both engines idle after each case")
