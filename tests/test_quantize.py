@@ -272,6 +272,9 @@ def test_saved_run_is_labelled_and_read_from_its_own_figures():
     assert f"int4 {int4['perplexity']:.2f} ({100 * (int4['perplexity'] / fp32['perplexity'] - 1):+.1f} %)" in lines
     assert f"int4 {int4['speedup']:.2f}x (one run each: no verdict)" in lines
     assert "faster" not in lines and "slower" not in lines and "did not follow" not in lines
+    # by kind of question: exact intervals, no "one sd of chance" that reads 0 when every answer is right
+    assert "fp32 34 of 42 (95 % interval 66-91 %)" in lines and "int4 31 (-3: level)" in lines
+    assert "sd of chance" not in lines
 
 
 def _planted(report: dict, gaps: dict[str, float], again: float) -> dict:

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from ...data import text
 from ...engine.request import SamplingParams
 from ...engine.runner import sequence_logits
-from ...measure import Band, Verdict, noise_band, one_run_each, verdict
+from ...measure import Band, Verdict, noise_band, one_run_each, share_interval, share_verdict, verdict
 from ...models.quantize import quantize_model
 from ..summary import write_report
 
@@ -336,14 +336,16 @@ def reading(report: dict) -> str:
     counts = {k: group_counts(r, tasks) for k, r in rows.items()}
     kinds = []
     for group, (right, asked) in counts[first].items():
-        share = right / asked
-        sd = math.sqrt(asked * share * (1 - share))  # binomial: how many answers a rerun may move by chance
-        changes = ", ".join(f"{k} {counts[k][group][0]} ({counts[k][group][0] - right:+d})"
+        ref = share_interval(right, asked)  # exact binomial: how far chance alone could move a share of so few
+        changes = ", ".join(f"{k} {counts[k][group][0]} ({counts[k][group][0] - right:+d}: "
+                            f"{share_verdict(ref, share_interval(*counts[k][group]))})"
                             for k in others if group in counts[k])
-        kinds.append(f"{group} (n = {asked}): {first} {right}, {changes}; one sd of chance ±{sd:.1f}")
+        kinds.append(f"{group}: {first} {right} of {asked} (95 % interval {100 * ref.low:.0f}-{100 * ref.high:.0f} %), "
+                     f"{changes}")
     if kinds:
         lines.append("* **By kind of question**: " + "; ".join(kinds)
-                     + ". A change smaller than two sd is not a difference between the methods.")
+                     + ". Higher or lower only where the two shares' exact 95 % intervals do not overlap; with a "
+                     "handful of questions a kind, most changes are level.")
     lines.append(f"* **Tasks** ({base['total']} questions, greedy): {first} {base['correct']}; "
                  + ", ".join(f"{k} {r['correct']} ({r['correct'] - base['correct']:+d})" for k, r in others.items())
                  + f". **Perplexity**: {first} {base['perplexity']:.2f}; "
