@@ -47,6 +47,16 @@ def test_histogram_arithmetic_is_prometheus():
     assert histogram_quantile(0.99, [(0.1, 0.0), (math.inf, 5.0)]) == 0.1  # the highest finite bound
 
 
+def test_a_tail_of_fewer_than_100_observations_is_called_the_max_to_its_bucket():
+    from labsupport.viz.prom_histogram import quantiles_text
+    few = [(0.1, 1.0), (0.5, 2.0), (1.0, 1.0), (2.5, 12.0), (math.inf, 0.0)]   # 16 requests
+    assert quantiles_text(few) == "P50 ≈ 1.50 s, max ≤ 2.50 s (n = 16)"   # rank 8: 4 of the 12 in (1, 2.5]
+    assert quantiles_text([(0.1, 3.0), (math.inf, 2.0)]) == "P50 ≈ 83 ms, max > 100 ms (n = 5)"
+    many = [(0.1, 50.0), (0.5, 49.0), (1.0, 1.0), (math.inf, 0.0)]
+    assert quantiles_text(many) == f"P50 ≈ 100 ms, P99 ≈ {1000 * histogram_quantile(0.99, many):.0f} ms (n = 100)"
+    assert quantiles_text([(0.1, 0.0)]) == "no observations"
+
+
 class Canned(ServerDashboard):
     """A dashboard whose scrapes are canned expositions (vLLM's names), one per poll."""
 

@@ -9,7 +9,8 @@ background thread every ``interval_s`` and draws what a Grafana board would:
 * KV-cache usage (the memory that admission depends on);
 * output tokens per second (the rate of ``generation_tokens_total``);
 * TTFT and inter-token latency histograms: the server's own buckets, counted since the
-  dashboard started, with the P50 and P99 that ``histogram_quantile`` would estimate.
+  dashboard started, with the P50 and P99 that ``histogram_quantile`` would estimate (a P99 from 100
+  observations up, else the max to its bucket: ``prom_histogram.quantiles_text``).
 
 Display it with ``show()`` (an ipywidgets HTML view with small SVG charts, redrawn after every
 scrape: building it costs far less than a matplotlib figure, which on a small CPU would take time
@@ -27,7 +28,7 @@ import time
 from html import escape
 
 from .dashboard_svg import CSS, svg_bars, svg_lines
-from .prom_histogram import _bound, _seconds, bucket_counts, histogram_buckets, histogram_quantile
+from .prom_histogram import _bound, bucket_counts, histogram_buckets, histogram_quantile, quantiles_text
 
 PREFIXES = ("labsupport:", "vllm:")
 COLORS = {"running": "#1f77b4", "waiting": "#ff7f0e", "kv": "#9467bd", "tokens": "#2ca02c",  # matplotlib's tab10
@@ -217,9 +218,7 @@ class ServerDashboard:
         ax.set_xticks(range(len(counts)), [f"≤{_bound(le)}" for le, _ in counts], rotation=45, ha="right",
                       fontsize=7)
         total = sum(c for _, c in counts)
-        p50, p99 = histogram_quantile(0.5, counts), histogram_quantile(0.99, counts)
-        ax.set(title=f"{title}: P50 ≈ {_seconds(p50)}, P99 ≈ {_seconds(p99)}" if total else title,
-               ylabel="count")
+        ax.set(title=f"{title}: {quantiles_text(counts)}" if total else title, ylabel="count")
         ax.title.set_fontsize(9)
 
     def numbers(self) -> list[tuple[str, str]]:
@@ -230,8 +229,8 @@ class ServerDashboard:
                 ("output tokens", f"{s['generation_tokens']:.0f} ({s['tokens_per_s']:.1f} tok/s)"),
                 ("peak running / waiting", f"{s['max_running']:.0f} / {s['max_waiting']:.0f}"),
                 ("peak KV usage", f"{100 * s['max_kv_usage']:.1f} %"),
-                ("TTFT P50 / P99", f"{_seconds(s['p50_ttft_s'])} / {_seconds(s['p99_ttft_s'])}"),
-                ("ITL P50 / P99", f"{_seconds(s['p50_itl_s'])} / {_seconds(s['p99_itl_s'])}")]
+                ("TTFT", quantiles_text(self.histogram("time_to_first_token_seconds"))),
+                ("ITL", quantiles_text(self.histogram("inter_token_latency_seconds")))]
 
     def _draw_numbers(self, ax):
         ax.axis("off")
@@ -273,8 +272,7 @@ class ServerDashboard:
                                  ("inter_token_latency_seconds", "itl", "ITL")):
             counts = self.histogram(name)
             if sum(c for _, c in counts):
-                title += (f": P50 ≈ {_seconds(histogram_quantile(0.5, counts))}, "
-                          f"P99 ≈ {_seconds(histogram_quantile(0.99, counts))}")
+                title += f": {quantiles_text(counts)}"
             panels.append(svg_bars(title, counts, COLORS[key]))
         rows = "".join(f"<tr><td>{escape(k)}</td><td>{escape(v)}</td></tr>" for k, v in self.numbers())
         panels.append(f'<table class="sd-numbers"><caption>since the dashboard started</caption>{rows}</table>')

@@ -46,6 +46,23 @@ def histogram_quantile(q: float, counts: list[tuple[float, float]]) -> float:
     return lower
 
 
+def quantiles_text(counts: list[tuple[float, float]]) -> str:
+    """"P50 ≈ x, P99 ≈ y (n = N)" from per-bucket counts; under ``MIN_P99_SAMPLES`` observations the tail is the
+    largest, known only to its bucket ("max ≤ 2.5 s"): a P99 of a handful is the max, and a histogram does not
+    keep the max itself."""
+    from ..percentiles import MIN_P99_SAMPLES
+    n = sum(c for _, c in counts)
+    if n <= 0:
+        return "no observations"
+    p50 = f"P50 ≈ {_seconds(histogram_quantile(0.5, counts))}"
+    if n >= MIN_P99_SAMPLES:
+        return f"{p50}, P99 ≈ {_seconds(histogram_quantile(0.99, counts))} (n = {n:.0f})"
+    top = max(le for le, c in counts if c > 0)
+    finite = [le for le, _ in counts if not math.isinf(le)]
+    tail = f"max > {_seconds(max(finite))}" if math.isinf(top) and finite else f"max ≤ {_seconds(top)}"
+    return f"{p50}, {tail} (n = {n:.0f})"
+
+
 def _seconds(s: float) -> str:
     if math.isnan(s):
         return "-"
