@@ -362,6 +362,24 @@ def check_land_transfers(land_fn, prefill_llm, decode_llm, colocated_llm):
             done = True  # the step failed in the attendee's function: the engine failed the request
         return req, done, decode_llm.stats()["prompt_tokens_computed"] - before
 
+    def handed_off():  # the prefill worker's side: the prompt computed, its blocks held for a pull
+        return prefill_llm.generate({"prompt": PROMPT, "cache_salt": f"check-{uuid.uuid4().hex}"},
+                                    SamplingParams(max_tokens=1, temperature=0, ignore_eos=True,
+                                                   kv_transfer_params={"do_remote_decode": True}),
+                                    use_tqdm=False, use_result_cache=False)[0]
+
+    def abort_while_loading(kv_params, case, rule):  # parked, aborted once its pull started, the load left to end
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, kv_transfer_params=kv_params)
+        req = decode_llm.engine.add_request(list(want.prompt_token_ids), params,
+                                            cache_salt=f"check_land_transfers-{uuid.uuid4().hex}")
+        mine.append(req)
+        decode_llm.engine.step()  # parked: its blocks reserved, the pull started
+        decode_llm.engine.abort(req)
+        drain(decode_llm, case)
+        if req.output_token_ids:
+            raise CheckFailed(f"{case}: the aborted request ran again and produced {len(req.output_token_ids)} "
+                              f"tokens: {rule}")
+
     def raised(case):
         if errors:
             exc = errors[0]
@@ -399,10 +417,7 @@ def check_land_transfers(land_fn, prefill_llm, decode_llm, colocated_llm):
         with prefill_llm.plugged(land_transfers=recorded), decode_llm.plugged(land_transfers=recorded):
             # (1) a pull that lands
             case = "a pull that landed"
-            pre = prefill_llm.generate({"prompt": PROMPT, "cache_salt": f"check-{uuid.uuid4().hex}"},
-                                       SamplingParams(max_tokens=1, temperature=0, ignore_eos=True,
-                                                      kv_transfer_params={"do_remote_decode": True}),
-                                       use_tqdm=False, use_result_cache=False)[0]
+            pre = handed_off()
             raised(case)
             req, done, computed = decode(pre.kv_transfer_params, 30.0)
             raised(case)
@@ -462,39 +477,17 @@ def check_land_transfers(land_fn, prefill_llm, decode_llm, colocated_llm):
             connector.failure_policy, connector.pull_timeout_s = "recompute", 0.5
             case = "a request aborted while its KV was loading"
             with contextlib.closing(_unheard()) as sock:
-                req = decode_llm.engine.add_request(
-                    list(want.prompt_token_ids),
-                    SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True,
-                                   kv_transfer_params={**missing, "remote_port": sock.getsockname()[1]}),
-                    cache_salt=f"check_land_transfers-{uuid.uuid4().hex}")
-                mine.append(req)
-                decode_llm.engine.step()  # parked: its blocks reserved, the pull started
-                decode_llm.engine.abort(req)
-                drain(decode_llm, case)
-            if req.output_token_ids:
-                raise CheckFailed(f"{case}: the aborted request ran again and produced {len(req.output_token_ids)} "
-                                  "tokens: once its load ends, an aborted request only frees its blocks")
+                abort_while_loading({**missing, "remote_port": sock.getsockname()[1]}, case,
+                                    "once its load ends, an aborted request only frees its blocks")
             idle_after(case, ("decode_llm",))
             # (5) aborted after its pull started, the pull then landing: the engine learns of the landing at
             # the next step's poll, so the abort always comes first, however quick the pull
             connector.pull_timeout_s = timeout
             case = "a request aborted while its KV was loading, the load then landing"
-            pre = prefill_llm.generate({"prompt": PROMPT, "cache_salt": f"check-{uuid.uuid4().hex}"},
-                                       SamplingParams(max_tokens=1, temperature=0, ignore_eos=True,
-                                                      kv_transfer_params={"do_remote_decode": True}),
-                                       use_tqdm=False, use_result_cache=False)[0]
+            pre = handed_off()
             raised(case)
-            params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True,
-                                    kv_transfer_params=pre.kv_transfer_params)
-            req = decode_llm.engine.add_request(list(want.prompt_token_ids), params,
-                                                cache_salt=f"check_land_transfers-{uuid.uuid4().hex}")
-            mine.append(req)
-            decode_llm.engine.step()  # parked: its blocks reserved, the pull started
-            decode_llm.engine.abort(req)
-            drain(decode_llm, case)
-            if req.output_token_ids:
-                raise CheckFailed(f"{case}: the aborted request ran again and produced {len(req.output_token_ids)} "
-                                  "tokens: a load that lands for an aborted request only frees its blocks")
+            abort_while_loading(pre.kv_transfer_params, case, "a load that lands for an aborted request only frees "
+                                                              "its blocks")
             idle_after(case)
     finally:
         connector.failure_policy, connector.pull_timeout_s = policy, timeout
