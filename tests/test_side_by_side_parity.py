@@ -55,6 +55,17 @@ def test_knobs_and_table_format():
     assert "key" not in text
 
 
+def test_the_side_by_side_table_calls_a_tail_of_few_requests_the_max():
+    from labsupport.side_by_side.bench import row
+    few = [row("ours", GENERATORS[0], {"completed": 8, "p99_ttft_ms": 1014.0, "max_ttft_ms": 1020.0}),
+           row("vLLM", GENERATORS[1], {"completed": 8, "p99_ttft_ms": 630.0, "p100_ttft_ms": 633.0})]
+    header, _, ours, vllm = table(few).splitlines()
+    assert "max_ttft_ms" in header and "p99_ttft_ms" not in header
+    assert "1020" in ours and "633" in vllm and "1014" not in ours
+    many = [row("ours", GENERATORS[0], {"completed": 100, "p99_ttft_ms": 5.0, "max_ttft_ms": 6.0})]
+    assert "p99_ttft_ms" in table(many).splitlines()[0]
+
+
 @needs_vllm
 def test_parity_has_every_row_with_both_sides(parity):
     assert list(parity) == [key for key, *_ in ROWS]

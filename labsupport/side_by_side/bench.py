@@ -83,7 +83,7 @@ def run_vllm_bench(url: str, load: BenchLoad, tokenizer_folder, model: str = "sm
                "--random-input-len", str(load.input_len), "--random-output-len", str(load.output_len),
                "--num-prompts", str(load.num_prompts), "--max-concurrency", str(load.max_concurrency),
                "--request-rate", rate, "--ignore-eos", "--temperature", "0", "--seed", str(load.seed),
-               "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+               "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99,100",
                "--goodput", *goodput, "--disable-tqdm", "--save-result", "--result-dir", work,
                "--result-filename", "result.json"]
         saved = Path(work) / "result.json"
@@ -99,7 +99,11 @@ def run_vllm_bench(url: str, load: BenchLoad, tokenizer_folder, model: str = "sm
 
 
 def row(server: str, generator: str, summary: dict) -> dict:
-    return {"server": server, "load generator": generator, **{k: summary.get(k, math.nan) for k in COLUMNS[2:]}}
+    """The table's columns from either generator's summary, and the largest TTFT (ours: ``max_ttft_ms``; vLLM's
+    JSON: its 100th percentile) for a run too small for a P99."""
+    out = {"server": server, "load generator": generator, **{k: summary.get(k, math.nan) for k in COLUMNS[2:]}}
+    out["max_ttft_ms"] = summary.get("max_ttft_ms", summary.get("p100_ttft_ms", math.nan))
+    return out
 
 
 def measure(workers, load: BenchLoad, tokenizer_folder, tokenizer=None, log=print, session=None) -> list[dict]:
@@ -135,8 +139,11 @@ def side_by_side(load: BenchLoad | None = None, servers=None, model=None, log=pr
 
 
 def table(rows: list[dict]) -> str:
-    """The rows as a markdown table, numbers rounded."""
-    return format_table(rows, COLUMNS)
+    """The rows as a markdown table, numbers rounded; TTFT's tail is the max where a run completed fewer than
+    ``MIN_P99_SAMPLES`` requests (a P99 of a handful is its largest sample, or next to it)."""
+    from ..percentiles import MIN_P99_SAMPLES
+    few = any(r["completed"] < MIN_P99_SAMPLES for r in rows)
+    return format_table(rows, [("max_ttft_ms" if few and c == "p99_ttft_ms" else c) for c in COLUMNS])
 
 
 PANELS = [("output_throughput", "output tokens/s"), ("median_ttft_ms", "median TTFT (ms)"),
