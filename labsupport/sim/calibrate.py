@@ -131,12 +131,20 @@ def profile_from_records(llm, records: list[dict], name: str) -> dict:
                       "not_modelled": "other processes on the cores (a busy machine's steps are slower and vary)"}}
 
 
+def cached_cpu_profile() -> dict | None:
+    """This machine's cached profile, or None if it was never calibrated here."""
+    from ..machine import machine
+    path = cache_path(machine())
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def cpu_profile(recalibrate: bool = False, llm=None) -> dict:
     """This machine's profile: the cached one, or a calibration now (saved for next time)."""
     from ..machine import machine
+    cached = None if recalibrate else cached_cpu_profile()
+    if cached is not None:
+        return cached
     path = cache_path(machine())
-    if path.exists() and not recalibrate:
-        return json.loads(path.read_text())
     print("calibrating the cpu profile on this machine (once; --recalibrate redoes it) ...", flush=True)
     profile = calibrate(llm)
     StepCostModel.from_dict(profile["coefficients"])

@@ -16,7 +16,6 @@ too (``error_cached``) where one exists: what a user who simulates without recal
 """
 from __future__ import annotations
 
-import json
 import math
 
 from ..bench.offline.workload import poisson_workload
@@ -86,7 +85,7 @@ def validate(workloads: dict | None = None, llm=None, profile: dict | None = Non
     ``quick``: the short calibration (tests)."""
     from ..bench.offline.workload import warmup_prompts
     from ..engine.request import SamplingParams
-    from .calibrate import cache_path, calibration_runs, profile_from_records
+    from .calibrate import cached_cpu_profile, calibration_runs, profile_from_records
     if llm is None:
         from ..llm import LLM
         llm = LLM(device="cpu", dtype="float32", **engine_options)
@@ -101,9 +100,7 @@ def validate(workloads: dict | None = None, llm=None, profile: dict | None = Non
         records += calibration_runs(llm, quick, seed=12)
         profile = profile_from_records(llm, records, "cpu")
         profile["fitted_around_runs"] = True
-        from ..machine import machine
-        path = cache_path(machine())
-        cached = json.loads(path.read_text()) if path.exists() else None
+        cached = cached_cpu_profile()
     results = {}
     for name, workload in workloads.items():
         results[name] = compare(runs[name], workload, profile, clock, **engine_options)
