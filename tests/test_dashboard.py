@@ -11,7 +11,7 @@ from labsupport.serve.api import create_app
 from labsupport.serve.background import BackgroundServer, free_port
 from labsupport.serve.metrics import parse_metrics
 from labsupport.viz.dashboard import (ServerDashboard, bucket_counts, histogram_buckets, histogram_quantile,
-                                      svg_bars, svg_lines)
+                                      svg_bars, svg_lines, tail_quantile)
 
 N, IN, OUT = 6, 16, 5
 
@@ -82,6 +82,17 @@ def test_vllm_names_are_read_and_histograms_count_from_the_first_scrape():
     assert s["generation_tokens"] == 60 and s["tokens_per_s"] == 30
     assert dash.histogram("time_to_first_token_seconds") == [(0.1, 0.0), (0.5, 0.0), (1.0, 2.0), (math.inf, 0.0)]
     assert s["ttft_count"] == 2 and s["p50_ttft_s"] == pytest.approx(0.75)
+    # two observations: no P99, the tail is the highest occupied bucket's bound
+    assert "p99_ttft_s" not in s and s["max_bound_ttft_s"] == 1.0
+
+
+def test_summary_gives_a_p99_only_from_100_observations():
+    few = [(0.1, 0.0), (0.5, 98.0), (1.0, 1.0), (math.inf, 0.0)]
+    assert tail_quantile(few) == ("max_bound", 1.0)
+    assert tail_quantile([(0.1, 0.0), (0.5, 98.0), (math.inf, 1.0)]) == ("max_bound", math.inf)
+    label, value = tail_quantile([(0.1, 0.0), (0.5, 99.0), (1.0, 1.0), (math.inf, 0.0)])
+    assert label == "p99" and value == pytest.approx(0.5)
+    assert math.isnan(tail_quantile([])[1])
 
 
 def test_svg_panels_draw_lines_bars_and_an_empty_state():

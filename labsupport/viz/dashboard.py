@@ -28,7 +28,8 @@ import time
 from html import escape
 
 from .dashboard_svg import CSS, svg_bars, svg_lines
-from .prom_histogram import _bound, bucket_counts, histogram_buckets, histogram_quantile, quantiles_text
+from .prom_histogram import (_bound, bucket_counts, histogram_buckets, histogram_quantile, quantiles_text,
+                             tail_quantile)
 
 PREFIXES = ("labsupport:", "vllm:")
 COLORS = {"running": "#1f77b4", "waiting": "#ff7f0e", "kv": "#9467bd", "tokens": "#2ca02c",  # matplotlib's tab10
@@ -150,7 +151,14 @@ class ServerDashboard:
             return bucket_counts(histogram_buckets(self.last, full), histogram_buckets(self.first, full))
 
     def summary(self) -> dict:
-        """What the run looked like to the server: peaks, tokens, requests and latency quantiles."""
+        """What the run looked like to the server: peaks, tokens, requests and latency quantiles. A tail is
+        ``p99_ttft_s`` from 100 observations on; under that the key is ``max_bound_ttft_s``, the bound of the
+        highest occupied bucket (a P99 of a handful is the max, known only to its bucket). Likewise for ITL."""
+
+        def tails(name, counts):
+            label, value = tail_quantile(counts)
+            return {f"{label}_{name}_s": value}
+
         with self._lock:
             samples = list(self.samples)
         ttft, itl = self.histogram("time_to_first_token_seconds"), self.histogram("inter_token_latency_seconds")
@@ -164,8 +172,8 @@ class ServerDashboard:
                 "generation_tokens": tokens, "tokens_per_s": tokens / span if span > 0 else 0.0,
                 "requests": last.get("requests", 0.0) - first.get("requests", 0.0),
                 "ttft_count": sum(c for _, c in ttft), "itl_count": sum(c for _, c in itl),
-                "p50_ttft_s": histogram_quantile(0.5, ttft), "p99_ttft_s": histogram_quantile(0.99, ttft),
-                "p50_itl_s": histogram_quantile(0.5, itl), "p99_itl_s": histogram_quantile(0.99, itl)}
+                "p50_ttft_s": histogram_quantile(0.5, ttft), "p50_itl_s": histogram_quantile(0.5, itl),
+                **tails("ttft", ttft), **tails("itl", itl)}
 
     def token_rate(self, window: int = 2) -> tuple[list[float], list[float]]:
         """Output tokens per second between scrapes ``window`` apart: ``(times, rates)``."""

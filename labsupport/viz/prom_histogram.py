@@ -46,6 +46,20 @@ def histogram_quantile(q: float, counts: list[tuple[float, float]]) -> float:
     return lower
 
 
+def tail_quantile(counts: list[tuple[float, float]]) -> tuple[str, float]:
+    """The tail a histogram can honestly give: ``("p99", estimate)`` from ``MIN_P99_SAMPLES`` observations on,
+    else ``("max_bound", the upper bound of the highest occupied bucket)``, since a P99 of a handful is the max
+    and a histogram keeps only its bucket (``inf`` when it fell past the last finite bound). NaN without
+    observations."""
+    from ..percentiles import MIN_P99_SAMPLES
+    n = sum(c for _, c in counts)
+    if n <= 0:
+        return "p99", math.nan
+    if n >= MIN_P99_SAMPLES:
+        return "p99", histogram_quantile(0.99, counts)
+    return "max_bound", max(le for le, c in counts if c > 0)
+
+
 def quantiles_text(counts: list[tuple[float, float]]) -> str:
     """"P50 ≈ x, P99 ≈ y (n = N)" from per-bucket counts; under ``MIN_P99_SAMPLES`` observations the tail is the
     largest, known only to its bucket ("max ≤ 2.5 s"): a P99 of a handful is the max, and a histogram does not
