@@ -1,7 +1,7 @@
 """LLMEngine: one loop tells the whole story. ``step()`` = schedule -> run -> update -> detokenize.
 
-The scheduler decides what runs and owns every request's state; the runner turns its decision
-into one forward pass and one sampled token per sequence; the scheduler's lifecycle
+The scheduler decides what runs (it holds the queues, and the lifecycle that writes a request's state); the
+runner turns its decision into one forward pass and one sampled token per sequence; the scheduler's lifecycle
 (``scheduler.lifecycle.update_from_output``) moves the requests forward and frees the finished;
 the detokenizers turn new tokens into new text and find stop strings. ``last_step`` is the step's ``SchedulerOutput``, the engine's own record.
 ``clock`` (``time.perf_counter`` unless the engine was assembled with another, as ``sim/`` does with a virtual

@@ -13,7 +13,8 @@ them, the request left. The attention backend (mechanism) only reads what the ma
   blocks, and every block that fills up is registered for the requests after it.
 
 No manager writes a request's ``num_computed_tokens``: ``use_cached_prefix`` returns how many
-tokens it reused, and the scheduler, the one owner of a request's state, records it.
+tokens it reused, and the lifecycle (``RequestLifecycle.mark_running``), the one writer of a request's
+state, records it.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Policy, and the one owner of a request's life: which requests run next, and what each step did to them.
+"""Policy: which requests run next, and with how many tokens each (what a step did to them is written by the
+scheduler's ``RequestLifecycle``, ``lifecycle.py``).
 
 One rule, as in vLLM's v1 scheduler: a request needs ``num_tokens - num_computed_tokens``
 tokens fed to catch up. Running requests go first (they hold memory and users are waiting on
@@ -81,7 +82,7 @@ def admit_one(s, req: Request, out: SchedulerOutput, budget_left: int) -> int:
 
 
 class Scheduler:
-    """The policy, and the owner of the requests' state: ``queues`` (where each request is) and ``lifecycle``
+    """The policy. It holds the requests' state through two parts: ``queues`` (where each request is) and ``lifecycle``
     (``RequestLifecycle``: what each step did to them), a component built here and handed the queues, the KV
     manager and the connector; the engine calls ``scheduler.lifecycle.update_from_output`` after each step."""
 
