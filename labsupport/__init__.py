@@ -4,7 +4,7 @@
 
 The names are imported when first asked for (PEP 562), not with the package: processes that need no
 model (``python -m labsupport router``, the launcher of ``labsupport.procs``) then never import torch,
-which costs ~2 s and ~250 MB in each of them.
+whose import is a large share of such a process's start-up time and memory.
 """
 __all__ = ["LLM", "SamplingParams", "RequestOutput"]
 

@@ -1,7 +1,7 @@
 """The machine a measurement ran on: recorded with every saved run (``machine``), named in captions (``describe_machine``).
 
 Runs on these shared cloud VMs are compared only by ratios within one run; across runs a reader needs to know
-which machine each was, and "AMD EPYC" alone does not say: two VMs reporting it differed 2x in speed. The CPU
+which machine each was, and "AMD EPYC" alone does not say: two VMs reporting it ran at very different speeds. The CPU
 family and the vector units tell them apart, so they are recorded beside the core count and the versions.
 Both the benchmarks (which record it) and the plots (which caption a saved run with it) read this module.
 """

@@ -5,7 +5,7 @@ the course table's and the capstone's servers. Each runs in a session of its own
 (``start_new_session``), so the kernel's interrupt (the stop button) does not reach it and ``killpg``
 reaches its own children. But then nothing tells it when the kernel goes: after Kernel > Restart
 (which kills a kernel that does not shut down in time), a crash or ``kill -9``, chapter 07's five
-processes were reparented to PID 1 and kept their ports and 2 GB each, and every re-run added a set.
+processes were reparented to PID 1 and kept their ports and memory, and every re-run added a set.
 
 One mechanism for each way a parent can go:
 

@@ -98,7 +98,7 @@ class VllmServer(Worker):
         return super().start(wait, timeout)
 
     def wait_healthy(self, timeout: float = 300.0):
-        """Longer than our workers' default: vLLM takes ~40 s to start alone, minutes on a busy 2-core machine."""
+        """Longer than our workers' default: vLLM starts slowly alone, and far more slowly on a busy 2-core machine."""
         return super().wait_healthy(timeout)
 
     def stop(self, timeout: float = 15.0):

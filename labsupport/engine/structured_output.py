@@ -113,7 +113,7 @@ class StructuredOutputs:
     @property
     def compiler(self):
         with self._lock:
-            if self._compiler is None:  # ~0.3 s for a 49k vocabulary: only when a request first needs it
+            if self._compiler is None:  # costly for a large vocabulary: only when a request first needs it
                 import xgrammar as xgr
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=self.stop_token_ids)

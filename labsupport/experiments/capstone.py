@@ -87,7 +87,7 @@ REASONING = [  # questions whose answers are long worked solutions (a reasoning 
 
 
 def traffics(scale: float = 1.0) -> list[Traffic]:
-    """The five kinds of traffic, sized for about 2 minutes a server on 2 CPU cores, each within this
+    """The five kinds of traffic, sized for a short run of each server on 2 CPU cores, each within this
     machine's capacity so that the SLOs mean something (``scale`` multiplies the request counts: 0.25 for a
     quick look, 4 or more on a GPU)."""
     n = lambda k: max(2, round(k * scale))  # noqa: E731

@@ -17,7 +17,7 @@ driven over HTTP by ``bench serve``'s client (``serve_bench.benchmark``), one ro
   rate (from its ``/metrics``). Side by side they show what burstiness alone costs each row.
 
 Every measurement of every row sends the same ``num_requests`` (100) requests, row 00 too (it recomputes every
-token, so its three runs take about half an hour: the price of a starting line with the same n as the rows it
+token, so its three runs are the table's longest: the price of a starting line with the same n as the rows it
 is compared with). A tail is called P99 only with ``MIN_P99_SAMPLES`` samples; below that it is the max, and
 says so.
 
@@ -46,9 +46,9 @@ ROW_IDS = ("00", "01", "02", "03", "04", "05", "06", "07", "08")
 
 @dataclass(frozen=True)
 class Sizes:
-    """Everything that sizes the run. The defaults take about an hour on 2 CPU cores: each row's two load
+    """Everything that sizes the run. The defaults make a long run on 2 CPU cores: each row's two load
     runs last at least ``num_requests / rate`` seconds each; row 00 (no KV cache: every step recomputes every
-    token) serves about 2 output tokens/s, so it drains each of its runs for about ten minutes."""
+    token) serves so few output tokens a second that it drains each of its runs long after the last arrival."""
 
     num_requests: int = 100  # per measurement (capacity, bursty, poisson: three different question sets)
     system_tokens: int = 160  # of the handbook, shared by every request

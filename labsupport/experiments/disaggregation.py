@@ -41,7 +41,7 @@ from ..pd.cluster import Router, Worker, start_all, stop_all
 
 WORKER_ARGS = ["--num-blocks", "512", "--max-num-batched-tokens", "2048",  # ~0.4 GB of KV: give pool_args instead
                "--no-enable-chunked-prefill",  # serve chunks by default: the colocated baseline does not
-               "--engine-in-process"]  # one process per worker: a core process each would add ~0.3 GB (5.2 GB in all)
+               "--engine-in-process"]  # one process per worker: a core process each would add another torch process
 CHUNKED_ARGS = ["--enable-chunked-prefill", "--max-num-batched-tokens", "256"]
 BLOCK_SIZE = 16
 
@@ -49,7 +49,7 @@ BLOCK_SIZE = 16
 def pool_args(token_counts, slack: float = 1.25, block_size: int = BLOCK_SIZE) -> list[str]:
     """``serve`` flags for a KV pool that holds the given requests (prompt + answer tokens each) all at once,
     with ``slack`` to spare, instead of a default: on the CPU each block of the default model is 0.7 MB, and
-    four workers of 512 blocks held 1.5 GB of KV for a chapter that never had 150 blocks in flight. A
+    four workers of 512 blocks held 1.5 GB of KV for a chapter that had a small part of them in flight. A
     request that does not fit waits for blocks; it does not fail."""
     return ["--num-blocks", str(pool_blocks(token_counts, slack, block_size))]
 
@@ -142,7 +142,7 @@ def two_layouts(first: str, second: str, num_blocks: int, max_num_seqs: int, arg
     core. Both layouts hold a prefill worker on ``first`` and a decode worker on ``second``; 2P1D adds a
     prefill worker on ``second``, 1P2D a decode worker on ``first``. So four workers serve both, each
     behind its layout's router, and the one a layout leaves out sits idle while the other runs (an idle
-    worker took 0.5-0.7 % of a core over 10 s, 2-core VM, 2026-12-05). The budget is cut in three
+    worker's CPU time is negligible: ``benchmarks/README.md``). The budget is cut in three
     (``share_budget``): the shared prefill worker has the first share, the shared decode worker the largest,
     and each layout's third worker the middle one, so either layout's three shares add up to the whole budget."""
     s = share_budget(num_blocks, max_num_seqs, 3)
@@ -167,7 +167,7 @@ def _each_once(processes):
 def start(deployments: list[Deployment], timeout: float = 240.0) -> list[Deployment]:
     """Start every process of every deployment at once (model loads overlap), routers with their workers: a
     router probes its workers every second and answers ``/health`` once they do, so waiting for the workers
-    first only added a router's start-up (~1.5 s) to every deployment's. A worker two deployments share
+    first only added a router's start-up to every deployment's. A worker two deployments share
     starts once."""
     workers = _each_once(p for d in deployments for p in d.processes if not isinstance(p, Router))
     routers = _each_once(p for d in deployments for p in d.processes if isinstance(p, Router))
@@ -374,7 +374,7 @@ def transfer_costs(prefill_url: str, decode_url: str, tokenizer, lengths: list[i
 def loopback_bandwidth(num_bytes: int = 256 << 20, chunk: int = 4 << 20, repeats: int = 3) -> float:
     """Raw TCP over loopback, one connection, GB/s: the ceiling our KV pulls run under on this machine.
 
-    The best of ``repeats`` runs: a ceiling, and one run on a shared 2-core machine can read half of it."""
+    The best of ``repeats`` runs: a ceiling, and one run on a shared 2-core machine can read far below it."""
     return max(_loopback_once(num_bytes, chunk) for _ in range(repeats))
 
 

@@ -69,7 +69,7 @@ KNOBS = [dict(zip(("ours", "vllm", "controls", "chapter", "note"), k)) for k in 
 
 @dataclass
 class ParitySizes:
-    """Every size of the parity run. The defaults take ~30-60 s of requests per side on 2 CPU cores."""
+    """Every size of the parity run. The defaults are sized for a short run per side on 2 CPU cores."""
 
     block_size: int = 32
     num_blocks: int = 32  # as vLLM counts it (null block included)

@@ -6,7 +6,7 @@ compiler sees them all, as it did when they were one source. Each file ``#includ
 vector type and the polynomial ``exp``; the header is read once.
 
 ``compile_extension`` compiles once per machine with ``torch.utils.cpp_extension`` (a C++ compiler,
-``ninja``, 20-40 s; cached under ``~/.cache/torch_extensions``, one build per instruction set so a shared
+``ninja`` and a wait; cached under ``~/.cache/torch_extensions``, one build per instruction set so a shared
 cache stays safe, and one per Python environment: ninja rebuilds whenever the compile command changes, and
 two environments' commands differ in their include paths, so two venvs sharing one folder would rebuild each
 other's every start). The engine builds its kernels when it starts on a CPU, and ``python -m labsupport
@@ -39,7 +39,7 @@ def sources(files: list[str]) -> list[str]:
 def vector_flags() -> list[str]:
     """The instruction set this machine's build targets, by what PyTorch found on this CPU."""
     cap = torch.backends.cpu.get_cpu_capability()
-    vector = ["-mavx2", "-mfma"] if cap in ("AVX2", "AVX512") else []  # 16 % faster than SSE2 here
+    vector = ["-mavx2", "-mfma"] if cap in ("AVX2", "AVX512") else []  # wider vectors and FMA: faster than SSE2
     return vector + (["-mavx512f"] if cap == "AVX512" else [])  # vectors.h: sixteen floats wide
 
 
@@ -110,7 +110,7 @@ def _put_ninja_on_path():
     """The build runs ``ninja``: always the pip package's copy (a dependency of this package), first on PATH.
     Not the first one PATH happens to hold: a machine's own ninja (Debian's 1.11) and the pip package's (1.13)
     hash a build's command differently, so each of them finds the other's log stale and rebuilds every
-    extension (~80 s on 2 cores). A terminal with the venv activated found the pip copy, a Jupyter kernel or
+    extension from scratch. A terminal with the venv activated found the pip copy, a Jupyter kernel or
     ``.venv/bin/python`` without it found Debian's, and every switch between the two paid that rebuild."""
     try:
         import ninja

@@ -209,7 +209,7 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         # made with an empty weight, not a random one: the model is built on "meta" and filled from the checkpoint
-        # (or by random_model), and Embedding's random init on meta imports torch's compiler: ~900 modules, ~50 MB
+        # (or by random_model), and Embedding's random init on meta imports torch's compiler: a large import for nothing
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))

@@ -229,7 +229,7 @@ def load_tokenizer(folder):
     frontend when the engine runs in a process of its own). Where the folder names the tokenizers-library
     class itself (``"tokenizer_class": "TokenizersBackend"``, as the default model does), that class is used
     directly: ``AutoTokenizer`` would pick the same class, after importing its registry of every model's
-    processors (1,044 modules, about 90 MB in each process; chapter 07 has five such processes)."""
+    processors (a large import in each process; chapter 07 has five such processes)."""
     if str(folder).startswith("random:"):
         return ByteTokenizer()
     folder = resolve_model_path(folder)

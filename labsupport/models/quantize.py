@@ -232,8 +232,8 @@ def quantize_model(model: nn.Module, method: str = "int8", group_size: int = 32,
     ``include_lm_head=False``) by ``Int8Linear`` or ``Int4Linear``, in place; return a report.
 
     ``lm_head`` is included by default: it is a fifth of SmolLM2's weights, read at every decode step.
-    Measured, int4 with a float ``lm_head`` is barely faster than float32; quantized, about twice as
-    fast, for a few task points. Tied to ``embed_tokens``, the quantized copy is new memory (the lookup
+    Measured, int4 with a float ``lm_head`` is barely faster than float32; with it quantized, much
+    faster, for a few task points. Tied to ``embed_tokens``, the quantized copy is new memory (the lookup
     keeps the float table), so the model holds more bytes but *reads* fewer per step.
     Projections stacked by ``fuse_projections`` are unstacked (``qkv``/``gate_up`` set to None):
     the quantized per-matrix modules then run. The model stops holding the checkpoint's shared float

@@ -17,7 +17,7 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     """
     dim, base = cfg.head_dim, cfg.rope_theta
     # on the CPU whatever the default device: a model is built on "meta", where this arithmetic would import
-    # torch's compiler (~900 modules, ~50 MB a process) for numbers nobody reads (load_model sets its own)
+    # torch's compiler (a large import in every process) for numbers nobody reads (load_model sets its own)
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     s = cfg.rope_scaling
     kind = s.get("rope_type", s.get("type", "default"))

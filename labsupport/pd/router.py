@@ -47,7 +47,7 @@ from .routing import Policy, Shed, Workers
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 2.0  # a worker that does not accept within this is down: fail over, do not hang
 PROBE_TIMEOUT_S = 1.0
-READ_TIMEOUT_S = 60.0  # a stream silent this long between events ends (a long prefill elsewhere can stall it ~30 s)
+READ_TIMEOUT_S = 60.0  # a stream silent this long between events ends (past what a long prefill elsewhere stalls it)
 # what vLLM's proxy sends the prefill worker: "compute the prompt, keep its KV for a remote decode"
 PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                      "remote_block_ids": None, "remote_host": None, "remote_port": None}

@@ -15,7 +15,7 @@ cached KV blocks or cached results (a tenant could otherwise time another's prom
 
 ``cancel_on_disconnect`` stops a non-streamed answer whose client hung up. It lives here, with the other
 HTTP-only pieces, because the PD router uses it too: importing it from ``api.py`` would bring the engine,
-and torch, into the router's process (~200 MB each, chapter 07 runs several).
+and torch, into the router's process (a large import in each, chapter 07 runs several).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 uvicorn closes a connection that sits idle *between* requests (its keep-alive timeout), but not one that
 connects and then sends half a request line, or headers a byte at a time: such a client holds a
-connection, and a slot of the server's, for as long as it likes (seen: 45 s and counting). So the
+connection, and a slot of the server's, for as long as it likes. So the
 connection gets a deadline whenever it waits for a request's headers — from the moment it opens, and
 again after each response — and is closed if they are not complete by then. A request being served
 (a stream that runs for minutes included) has no deadline here; its body has the ``Guard``'s.

@@ -6,9 +6,9 @@ engine core in its own process (``core_client.py``). Either way it is fed on the
 
 It keeps only the *latest* output of each choice, never a queue of them. Outputs are cumulative (all
 the text and tokens so far), so the latest is all a reader needs; and a queue would grow for a client
-that stops reading — each entry a copy of everything so far, quadratic in the output's length (two
-never-read streams with 20 top logprobs each and 5,000 tokens once held 425 MB). So a stream holds at
-most one output per choice, however slowly its client reads.
+that stops reading — each entry a copy of everything so far, quadratic in the output's length (issue 41:
+two never-read streams with 20 top logprobs each and 5,000 tokens held hundreds of megabytes). So a stream
+holds at most one output per choice, however slowly its client reads.
 """
 from __future__ import annotations
 

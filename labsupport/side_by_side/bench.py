@@ -37,7 +37,7 @@ GENERATORS = ("labsupport bench", "vllm bench serve")
 
 @dataclass
 class BenchLoad:
-    """The workload and the SLO of the goodput column. The defaults take ~15-25 s per run on 2 CPU cores."""
+    """The workload and the SLO of the goodput column. The defaults are sized for a short run on 2 CPU cores."""
 
     num_prompts: int = 16
     input_len: int = 128

@@ -8,7 +8,7 @@ fp32 (bf16 gave garbage for this model on CPU), eager, block size 32, the CPU en
 ``bench compare`` (``vllm_runner.cpu_env``). By default vLLM runs its engine core and its model
 worker as two more processes, each importing torch and vLLM again; for a handful of prompts the
 engine runs in the script's own process instead (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which
-saves those two imports (about half the start-up: ``benchmarks/README.md``) and gives the same tokens.
+saves those two imports (much of the start-up: ``benchmarks/README.md``) and gives the same tokens.
 Pass every prompt in one call all the same.
 
 Greedy decoding is deterministic in each engine, but two engines add the same numbers in different
@@ -56,7 +56,7 @@ def greedy_tokens(folder, prompts: list[list[int]], max_tokens: int, ignore_eos:
         env.update({"VLLM_CPU_OMP_THREADS_BIND": cpus, "OMP_NUM_THREADS": str(len(_cpu_list(cpus)))})
     env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
-    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process, not three: ~20 s less start-up
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process, not three: two fewer imports of torch and vLLM
     try:
         with open(log_path, "w") as out:
             done = procs.run([str(default_python()), str(WORKER), str(work / "spec.json"),

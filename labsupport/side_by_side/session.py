@@ -1,6 +1,6 @@
 """vLLM's Python, started once and kept for a chapter: offline greedy runs and ``vllm bench serve`` in it.
 
-Every ``vllm`` command and every script that imports vLLM spends ~7 s of a 2-core CPU on imports (torch,
+Every ``vllm`` command and every script that imports vLLM spends much of its start-up on imports (torch,
 transformers, vLLM) before its first request, and chapter 08 asks vLLM's venv for three small jobs:
 section 1's offline ``LLM``, section 3's two ``vllm bench serve`` runs and section 6's check of a recipe
 against ``vllm serve``'s parser. ``VllmSession`` starts

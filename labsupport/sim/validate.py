@@ -6,8 +6,8 @@ the output throughput; ``measured`` is the mean of ``repeats`` real runs. The wo
 calibration's (``calibrate.py`` times prefills, decode batches and chunks in isolation; these mix them under
 arrivals).
 
-Which profile: a shared 2-core machine changes speed from hour to hour (1.5-1.8x between a morning and an
-afternoon here, ``benchmarks/README.md``), and a profile fitted at another hour predicts that hour's machine.
+Which profile: a shared 2-core machine changes speed from hour to hour (``benchmarks/README.md``: the
+simulated clock), and a profile fitted at another hour predicts that hour's machine.
 So by default the validation fits its own profile **around** the real runs: the calibration once before them
 and once after, both sets of steps in one fit. What is left is the model's own error (five counts cannot see
 everything a step does) and the runs' noise, which ``aa_error`` measures: each later real run against the
@@ -27,7 +27,7 @@ COMPARED = (*ERROR_KEYS.values(), "engine_steps", "duration_s", "num_preemptions
 
 
 def default_workloads(tokenizer) -> dict:
-    """Two workloads (about a minute each for real here, twice): Poisson arrivals of prompts and answers of many
+    """Two workloads (each run for real twice, so kept small): Poisson arrivals of prompts and answers of many
     lengths, and a batch arriving at once."""
     return {"poisson-mixed": poisson_workload(tokenizer, 40, rate=1.0, input_lens=range(32, 257, 16),
                                               output_lens=range(8, 65, 8), seed=3),

@@ -1,4 +1,4 @@
-"""``make gpu-check``: what only a GPU can tell about this engine, in one prepared run (< 8 min on one H200).
+"""``make gpu-check``: what only a GPU can tell about this engine, in one prepared run that fits one GPU loan.
 
 0. **parity**: greedy tokens of the engine (CUDA-graph decode and eager) equal transformers' on tiny
    random Llama and Qwen3 models, fp32 (``gpu_parity.py``).

@@ -10,12 +10,12 @@ Both figures are measured here, not taken from a data sheet: a 2-core cloud VM s
 and turbo with its neighbours, and the only honest ceiling is the one just observed. Each is
 the best of a few rounds (a ceiling, not a typical value). Two traps are avoided: the tensor
 for bandwidth is *filled* first (untouched ``torch.empty`` pages all map to the kernel's zero
-page, which sits in cache and reads at a fake 100+ GB/s), and it is 256 MB, far beyond L3.
+page, which sits in cache and reads at a fake rate far above memory's), and it is 256 MB, far beyond L3.
 Each linear shape is timed alone, its weights hot in cache where they fit (all but the 113 MB
 ``lm_head``), so the compute term is optimistic too, and ``achieved = floor / measured`` says how
 close an engine comes. The rates are the faster of ``torch``'s own ``F.linear`` (what transformers
 calls) and, in fp32 on an x86 CPU, oneDNN on a weight packed in its own layout (what our engine calls,
-``models/llama.py``); measured with ``F.linear`` alone, our prefill passed 100 % of the "roof". An
+``models/llama.py``); measured with ``F.linear`` alone, our prefill came out above the "roof". An
 engine with better small-M kernels, vLLM's among them, can still pass 100 %.
 """
 from __future__ import annotations

@@ -9,8 +9,8 @@ One process that imports vLLM once and then serves requests, one JSON line each 
 * ``{"parse_serve": [LINE, ...]}``: what ``vllm serve``'s own parser makes of each command line of a
   recipe (``disagg.check_recipe``).
 
-Why a process that stays: every ``vllm`` command, and every script that imports vLLM, spends ~7 s of a
-2-core CPU importing torch, transformers and vLLM before it does anything (``python -X importtime``),
+Why a process that stays: every ``vllm`` command, and every script that imports vLLM, spends much of its
+start-up on a 2-core CPU importing torch, transformers and vLLM before it does anything (``python -X importtime``),
 and chapter 08 asks vLLM's Python for three small jobs. It answers each request with one JSON line on
 the stdout it was started with (``{"ok": true, ...}`` or ``{"ok": false, "error": ...}``); everything
 vLLM itself prints goes to stderr, the caller's log. It imports nothing from labsupport (that venv need

@@ -249,7 +249,7 @@ def benchmark(*args, **kwargs) -> BenchResult:
 
     Interrupting it (Ctrl-C, the notebook's stop button) cancels the requests in flight, whose closed
     connections make the server abort them, and raises KeyboardInterrupt at once, instead of waiting for
-    the rate's last answer (5-9 s when a pool's exit joined the thread). ``asyncio.run`` does the same
+    the rate's last answer (longer still when a pool's exit joined the thread). ``asyncio.run`` does the same
     outside a notebook."""
     try:
         asyncio.get_running_loop()

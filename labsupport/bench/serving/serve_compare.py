@@ -176,7 +176,7 @@ def probe_first_chunk(url: str, background: int = 16, timeout_s: float = 300) ->
 def alternating_rounds(engines: list[str], rounds: int, folder: str, run, log=print, label: str = "guidellm") -> list[dict]:
     """``run(url)`` alone, ``rounds`` times per server, the servers alternating and each started afresh: the spread
     of a figure one run cannot settle (at 16 closed-loop guidellm streams the two servers are level, and the
-    burst's ratio moved 1.06x-1.17x between runs and rounds on one VM), so one run of each says more about the
+    burst's ratio moved between runs and rounds on one VM), so one run of each says more about the
     moment than about the servers (``benchmarks/README.md`` has the runs). A round that fails (a server that does
     not start, a client that errors) is kept as ``{"error": ...}`` and the rounds go on: its pair is left out of
     the summary, and what the other rounds measured is not lost."""

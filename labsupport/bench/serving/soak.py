@@ -55,8 +55,8 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--fuzz-examples", type=int, default=25, help="schemathesis examples per /v1 route")
     p.add_argument("--fuzz-seconds", type=float, default=90, help="stop generating fuzz cases after this")
     p.add_argument("--storm-streams", type=int, default=24, help="streams per wave of the disconnect storm")
-    # one stream for long: what a stream buffers grows with the square of its tokens (issue 41: 2 streams x 5,000
-    # tokens, 425 MB), and the first ~1,600 (4 MB of events) wait in the kernel's socket buffer, not the server
+    # one stream for long: what a stream buffered grew with the square of its tokens (issue 41), and the first
+    # megabytes of its events wait in the kernel's socket buffers, not the server
     p.add_argument("--unread-streams", type=int, default=1, help="never-read streams")
     p.add_argument("--unread-seconds", type=float, default=120, help="how long they stay open")
     p.add_argument("--live-streams", type=int, default=4, help="streams decoding beside the big /tokenize")
