@@ -79,7 +79,7 @@ class EngineLimits:
         (``output_budget``)."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: give at least one token of text")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
+        if not set(map(type, prompt_token_ids)) <= {int}:  # exactly int: not bool, not a float (in C: long prompts)
             raise ValueError("prompt token ids must be integers")
         n = len(prompt_token_ids)
         budget = self.output_budget(n, max_tokens)

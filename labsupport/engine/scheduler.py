@@ -165,9 +165,11 @@ class Scheduler:
             if req.spec.token_ids and not self.kv.can_allocate(req, n):
                 req.spec.drop()                         # drop guesses before preempting anyone
                 n = self.num_new_tokens(req, budget, out)
-            while not self.kv.can_allocate(req, n) and self.running[-1] is not req:
+            fits = self.kv.can_allocate(req, n)
+            while not fits and self.running[-1] is not req:
                 self.preempt(self.running[-1])          # out of blocks: the newest (or least urgent) goes back
-            if not self.kv.can_allocate(req, n):
+                fits = self.kv.can_allocate(req, n)
+            if not fits:
                 self.preempt(req)                       # it was the newest itself
                 break
             self.add_to_batch(out, req, n)
