@@ -39,6 +39,7 @@ from typing import AsyncIterator, NamedTuple
 from ..engine.plug_points import PlugPoint, PlugRegistry
 from ..engine.request import Request, RequestOutput, sample_request_id
 from ..frontend import PreparedRequest
+from .host_common import call_hook, refuse_when_full, step_record, timeline, waiting_after
 from .request_stream import EngineUnavailableError, QueueFullError, RequestFailedError, RequestStream
 
 __all__ = ["AbortRequest", "AddRequest", "AsyncEngine", "Delivery", "EngineUnavailableError", "QueueFullError",
@@ -151,9 +152,10 @@ class AsyncEngine:
         return self._waiting_with(0)
 
     def _waiting_with(self, new: int) -> int:
-        scheduler = self.engine.scheduler
-        free = max(0, self.engine.config.max_num_seqs - len(scheduler.running))
-        return max(0, self._queued + len(scheduler.waiting) + new - free)
+        scheduler, slots = self.engine.scheduler, self.engine.config.max_num_seqs
+        # running past a max_num_seqs lowered on a live engine keep the slots they hold: none of them waits
+        in_flight = self._queued + len(scheduler.waiting) + min(len(scheduler.running), slots)
+        return waiting_after(in_flight, new, slots)
 
     async def render_metrics(self) -> tuple[bytes, str] | None:
         """``GET /metrics``: (body, content type), or None without metrics."""
@@ -176,10 +178,7 @@ class AsyncEngine:
         with self._lock:
             if self._closed:
                 raise EngineUnavailableError(self.unavailable_reason())
-            limit = self.max_waiting_requests
-            if limit is not None and self._waiting_with(seqs) > limit:
-                raise QueueFullError(f"the server is at capacity: {self.num_waiting} requests are waiting "
-                                     f"(max_waiting_requests={limit}); retry later")
+            refuse_when_full(self.max_waiting_requests, self._waiting_with(seqs), self.num_waiting)
             index = 0
             for p, rid in zip(prepared, request_ids):
                 self._inbox.append(AddRequest(p, rid, loop, stream, index))
@@ -224,7 +223,8 @@ class AsyncEngine:
     # ------------------------------------------------------------------ the loop thread's side
 
     def _run(self):
-        self._hook("on_step", self.engine, [], None)  # the gauges from the start: an idle pool is all free, not 0
+        # the gauges from the start: an idle pool is all free, not 0
+        call_hook(self.metrics, "on_step", self.engine, [], None)
         try:
             while True:
                 self._wake.clear()  # cleared before draining: a request added after the drain wakes us
@@ -278,9 +278,10 @@ class AsyncEngine:
             self.num_steps += 1
             self.peak_batch_size = max(self.peak_batch_size, len(self.engine.last_step.requests))
             self.step_log.append(self.step_record(self.engine.last_step))
-            self._hook("on_step", self.engine, got, self.engine.last_step)
+            call_hook(self.metrics, "on_step", self.engine, got, self.engine.last_step)
         else:
-            self._hook("on_step", self.engine, [], None)  # nothing ran, but blocks may have come back (aborts, PD)
+            # nothing ran, but blocks may have come back (aborts, PD)
+            call_hook(self.metrics, "on_step", self.engine, [], None)
         self._add_forked_samples()
         moved = {r.request_id for r in got}
         outputs: dict[asyncio.AbstractEventLoop, list[Delivery]] = {}  # one hand-over per event loop and step
@@ -322,15 +323,7 @@ class AsyncEngine:
         return RequestFailedError(f"the engine could not complete request {req.request_id}: {why}")
 
     def _finished(self, req: Request):
-        self._hook("on_finished", req)
-
-    def _hook(self, name: str, *args):
-        """Call a metrics hook; a broken metric is logged, it never stops the serving."""
-        if self.metrics is not None:
-            try:
-                getattr(self.metrics, name)(*args)
-            except Exception:
-                log.exception("metrics.%s failed", name)
+        call_hook(self.metrics, "on_finished", req)
 
     def _fail_everything(self, error: Exception):
         """The loop is ending: refuse new requests, abort every one in flight, tell every consumer."""
@@ -362,18 +355,3 @@ def _deliver(loop: asyncio.AbstractEventLoop, items: list[Delivery]):
         loop.call_soon_threadsafe(_put_all, items)
     except RuntimeError:  # that event loop is closed: nobody is listening any more
         pass
-
-
-def step_record(out, wall: float) -> dict:
-    """One step as the PD timeline draws it: when (wall clock: ``perf_counter`` + ``wall``), which requests,
-    prefill tokens or decodes."""
-    prefill = {r.request_id: n for r, n, p in zip(out.requests, out.num_new_tokens, out.is_prefill) if p}
-    return {"start": out.start + wall, "end": out.end + wall, "prefill": prefill,
-            "decode": [r.request_id for r, p in zip(out.requests, out.is_prefill) if not p]}
-
-
-def timeline(connector, steps: list[dict], since: float) -> dict:
-    """``/pd/timeline``'s answer from a step log and a connector (None: no PD), after ``since``."""
-    records = [] if connector is None else [vars(r) for r in list(connector.records) if r.end > since]
-    return {"role": getattr(connector, "role", None), "engine_id": getattr(connector, "engine_id", None),
-            "steps": [s for s in steps if s["end"] > since], "transfers": records}

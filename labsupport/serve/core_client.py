@@ -43,7 +43,8 @@ from ..engine.stopping import streamable
 from ..frontend import Frontend, PreparedRequest
 from .engine_core import CoreSpec, run_engine_core
 from .messages import FIRST, AddRequest, Call, CoreInput, CoreOutputs, Failed, FinishRequest
-from .request_stream import EngineUnavailableError, QueueFullError, RequestFailedError, RequestStream
+from .host_common import refuse_when_full, waiting_after
+from .request_stream import EngineUnavailableError, RequestFailedError, RequestStream
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0  # loading a large checkpoint from disk can take minutes; the core's death ends the wait
@@ -173,8 +174,7 @@ class EngineCoreClient:
         return self._waiting_with(0)
 
     def _waiting_with(self, new: int) -> int:
-        queued = self._core_waiting + new if self._core_waiting else 0
-        return max(queued, len(self._live) + new - self.max_num_seqs, 0)
+        return waiting_after(len(self._live), new, self.max_num_seqs, reported_waiting=self._core_waiting)
 
     def submit(self, prepared: list[PreparedRequest], request_ids: list[str]) -> RequestStream:
         """Send engine requests to the core (on the event loop); raises 503/429 errors before anything is sent.
@@ -182,10 +182,8 @@ class EngineCoreClient:
         self.start()
         if self._closed or not self.process.is_alive():
             raise EngineUnavailableError(self.unavailable_reason())
-        limit = self.max_waiting_requests
-        if limit is not None and self._waiting_with(sum(p.params.n for p in prepared)) > limit:
-            raise QueueFullError(f"the server is at capacity: {self.num_waiting} requests are waiting "
-                                 f"(max_waiting_requests={limit}); retry later")
+        seqs = sum(p.params.n for p in prepared)  # each sample takes a sequence slot
+        refuse_when_full(self.max_waiting_requests, self._waiting_with(seqs), self.num_waiting)
         choice_ids = [sample_request_id(rid, i) for p, rid in zip(prepared, request_ids) for i in range(p.params.n)]
         stream = RequestStream(self.abort, choice_ids)
         now = time.perf_counter()

@@ -33,7 +33,7 @@ import zmq
 
 from ..engine.request import sample_request_id
 from ..procs import die_with_parent
-from .async_engine import step_record, timeline
+from .host_common import call_hook, step_record, timeline
 from .messages import Answer, Call, CoreInput, CoreOutputs, Failed, FinishRequest, Ready, RequestDelta
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ class EngineCore:
 
     def run(self):
         from ..engine.request import SamplingParams  # noqa: F401  (imported once, before the first request)
-        self._hook("on_step", self.engine, [], None)  # the gauges from the start: an idle pool is all free
+        call_hook(self.metrics, "on_step", self.engine, [], None)  # the gauges from the start: an idle pool is all free
         while not self.stopping:
             busy = bool(self.live)
             if busy:
@@ -187,10 +187,10 @@ class EngineCore:
             self.engine.scheduler.lifecycle.drop_tokens_after(req, finish.keep_tokens)
         stopped = finish.reason == "stop"  # one sample's stop string ends that sample; an abort ends them all
         self.engine.abort_requests([req], finish.reason, with_samples=not stopped)
-        self._hook("on_finished", req)
+        call_hook(self.metrics, "on_finished", req)
         for sample in [] if stopped else req.samples:
             if self.live.pop(sample.request_id, None) is not None:
-                self._hook("on_finished", sample)
+                call_hook(self.metrics, "on_finished", sample)
 
     def _answer(self, call: Call) -> Answer:
         try:
@@ -216,9 +216,9 @@ class EngineCore:
         ran = engine.num_steps > before
         if ran:
             self.step_log.append(step_record(engine.last_step, self._wall))
-            self._hook("on_step", engine, got, engine.last_step)
+            call_hook(self.metrics, "on_step", engine, got, engine.last_step)
         else:
-            self._hook("on_step", engine, [], None)
+            call_hook(self.metrics, "on_step", engine, [], None)
         deltas = []
         for rid, track in list(self.live.items()):
             req = track.req
@@ -229,7 +229,7 @@ class EngineCore:
                 deltas.append(self._delta(track))
                 if req.is_finished:
                     del self.live[rid]
-                    self._hook("on_finished", req)
+                    call_hook(self.metrics, "on_finished", req)
                     if not track.forked:  # ended before it forked (aborted, failed): so did its samples
                         deltas += [RequestDelta(sample_request_id(rid, i), finish_reason=req.finish_reason,
                                                 finished_time=req.metrics.finished_time)
@@ -267,10 +267,3 @@ class EngineCore:
     def _send(self, outputs: CoreOutputs):
         self.outbox.send(self.encoder.encode(outputs))
 
-    def _hook(self, name: str, *args):
-        """Call a metrics hook; a broken metric is logged, it never stops the serving."""
-        if self.metrics is not None:
-            try:
-                getattr(self.metrics, name)(*args)
-            except Exception:
-                log.exception("metrics.%s failed", name)
