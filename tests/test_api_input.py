@@ -128,3 +128,16 @@ def test_a_prompt_is_checked_once_on_its_way_in(server, monkeypatch):
     r = httpx.post(server.url + TEXT, json={"prompt": ["a", "b"], "n": 2}, timeout=60)
     assert r.status_code == 200 and len(r.json()["choices"]) == 4, r.text
     assert checked == [2, 16, 16]  # text completions default to 16 tokens, as OpenAI's do
+
+
+@pytest.mark.parametrize("ids", [[True, 2], [1.0], [1, 2.5], ["1"], [None]])
+def test_check_prompt_refuses_token_ids_that_are_not_exactly_int(ids):
+    """The type test runs in C (``set(map(type, ids))``), so it must still refuse what the per-token test did."""
+    import numpy as np
+
+    from labsupport.engine.limits import EngineLimits
+    limits = EngineLimits(max_model_len=2048, vocab_size=1000, max_num_batched_tokens=512, enable_chunked_prefill=True)
+    assert limits.check_prompt([1, 2, 3], 4) == 4
+    for bad in (ids, [np.int64(3)]):
+        with pytest.raises(ValueError, match="prompt token ids must be integers"):
+            limits.check_prompt(bad, 4)

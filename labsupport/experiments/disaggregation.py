@@ -374,7 +374,7 @@ def transfer_costs(prefill_url: str, decode_url: str, tokenizer, lengths: list[i
 def loopback_bandwidth(num_bytes: int = 256 << 20, chunk: int = 4 << 20, repeats: int = 3) -> float:
     """Raw TCP over loopback, one connection, GB/s: the ceiling our KV pulls run under on this machine.
 
-    The best of ``repeats`` runs: a ceiling, and one run on a shared 2-core machine can read far below it."""
+    The best of ``repeats`` runs: a ceiling, and one run on a shared 2-core machine can read well below it."""
     return max(_loopback_once(num_bytes, chunk) for _ in range(repeats))
 
 

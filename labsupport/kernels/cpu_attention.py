@@ -25,8 +25,8 @@ The prefill rows' kernel (``csrc/paged_prefill.cpp``, whose comment says how and
 of a step in one call, read in place the same way) is compiled into the same extension, and its Python side is
 ``cpu_prefill_attention`` below.
 
-Both are compiled once per machine (``jit.compile_extension``: a C++ compiler and a wait no chapter
-should pay; the build is cached under ``~/.cache/torch_extensions``, one per instruction set; ``python -m
+Both are compiled once per machine (``jit.compile_extension``: a C++ compiler and a wait, paid once
+per machine and better before a chapter; the build is cached under ``~/.cache/torch_extensions``, one per instruction set; ``python -m
 labsupport prepare`` builds it ahead). On by default on the CPU, ``EngineConfig.cpu_decode_kernel`` (the name
 is older than the prefill kernel; it switches both): where they cannot be built, ``available()`` says why, the
 engine warns once and keeps PyTorch's paths. Both serve float32 heads of a whole number of vectors

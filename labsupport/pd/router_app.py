@@ -7,7 +7,7 @@ hang-up or SIGTERM ending the request) and exposes ``/v1/models``, ``/health`` a
 
 The body is checked as the server checks it, so that no body a worker would refuse with a 4xx can
 make the router itself fail: at most ``--max-request-body-bytes`` (the server's ``Guard``, before a
-byte is buffered past the limit: a body buffered whole took several times its size in memory), JSON that Python can
+byte is buffered past the limit: a body buffered whole took the router's process to several times the body's size), JSON that Python can
 parse without recursing out of stack (``MAX_DEPTH``), and strings that are Unicode (JSON's
 ``"\\ud800"`` parses to a lone surrogate, which cannot be sent on as UTF-8).
 The command's ``--help`` is ``router.py``'s docstring, which says what the router does.

@@ -16,7 +16,7 @@ import uvicorn
 
 GRACEFUL_SHUTDOWN_S = 10  # uvicorn waits this long for responses in flight before cancelling them
 GPU_BATCHED_TOKENS = 2048  # vllm serve's default token budget per step (chunked prefill on)
-CPU_BATCHED_TOKENS = 512  # 2-core CPU: a step of 512 prompt tokens is short enough for the streams decoding beside it
+CPU_BATCHED_TOKENS = 512  # 2-core CPU: bounds how long one prompt's step can stall the streams decoding beside it
 
 
 def chunk_cost(text: str) -> int | str:
