@@ -26,10 +26,13 @@ def test_requests_the_engine_reports_waiting_keep_new_ones_behind_them():
 
 
 def test_refuse_when_full_is_the_429_rule():
-    refuse_when_full(None, 10_000, 10_000)                                # no limit
-    refuse_when_full(4, 4, 3)                                             # at the limit: accepted
+    def waiting_with(new):                                                # 3 waiting now
+        return 3 + new
+
+    refuse_when_full(None, waiting_with, 10_000)                          # no limit
+    refuse_when_full(4, waiting_with, 1)                                  # at the limit: accepted
     with pytest.raises(QueueFullError, match=r"3 requests are waiting \(max_waiting_requests=4\)"):
-        refuse_when_full(4, 5, 3)
+        refuse_when_full(4, waiting_with, 2)
 
 
 def test_a_broken_metric_is_logged_and_never_stops_the_serving(caplog):

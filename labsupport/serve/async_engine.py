@@ -178,7 +178,7 @@ class AsyncEngine:
         with self._lock:
             if self._closed:
                 raise EngineUnavailableError(self.unavailable_reason())
-            refuse_when_full(self.max_waiting_requests, self._waiting_with(seqs), self.num_waiting)
+            refuse_when_full(self.max_waiting_requests, self._waiting_with, seqs)
             index = 0
             for p, rid in zip(prepared, request_ids):
                 self._inbox.append(AddRequest(p, rid, loop, stream, index))

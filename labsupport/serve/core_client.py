@@ -183,7 +183,7 @@ class EngineCoreClient:
         if self._closed or not self.process.is_alive():
             raise EngineUnavailableError(self.unavailable_reason())
         seqs = sum(p.params.n for p in prepared)  # each sample takes a sequence slot
-        refuse_when_full(self.max_waiting_requests, self._waiting_with(seqs), self.num_waiting)
+        refuse_when_full(self.max_waiting_requests, self._waiting_with, seqs)
         choice_ids = [sample_request_id(rid, i) for p, rid in zip(prepared, request_ids) for i in range(p.params.n)]
         stream = RequestStream(self.abort, choice_ids)
         now = time.perf_counter()

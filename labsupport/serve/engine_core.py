@@ -20,7 +20,6 @@ ignores it and lets the frontend, which answers the clients, decide how to stop.
 """
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import threading
@@ -35,8 +34,6 @@ from ..engine.request import sample_request_id
 from ..procs import die_with_parent
 from .host_common import call_hook, step_record, timeline
 from .messages import Answer, Call, CoreInput, CoreOutputs, Failed, FinishRequest, Ready, RequestDelta
-
-log = logging.getLogger(__name__)
 
 
 @dataclass

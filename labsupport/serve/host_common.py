@@ -26,11 +26,12 @@ def waiting_after(in_flight: int, new: int, max_num_seqs: int, reported_waiting:
     return max(in_flight + new - max_num_seqs, behind, 0)
 
 
-def refuse_when_full(limit: int | None, waiting: int, waiting_now: int):
-    """The 429 rule, applied before anything is queued: refuse when ``waiting`` (``waiting_after``, the new
-    requests included) would pass ``max_waiting_requests`` (``limit``; None: no limit)."""
-    if limit is not None and waiting > limit:
-        raise QueueFullError(f"the server is at capacity: {waiting_now} requests are waiting "
+def refuse_when_full(limit: int | None, waiting_with, new: int):
+    """The 429 rule, applied before anything is queued: refuse when the requests waiting with the ``new`` ones
+    (``waiting_with(new)``, the host's ``waiting_after``) would pass ``max_waiting_requests`` (``limit``; None: no
+    limit). The message gives those waiting now, ``waiting_with(0)``."""
+    if limit is not None and waiting_with(new) > limit:
+        raise QueueFullError(f"the server is at capacity: {waiting_with(0)} requests are waiting "
                              f"(max_waiting_requests={limit}); retry later")
 
 
