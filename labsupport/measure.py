@@ -11,6 +11,12 @@ when it is larger than what running the *same* configuration twice shows. The di
 4. Say "higher" or "lower" (or the caller's words) only when that whole interval lies outside the band, else
    "level" (``verdict``); print every figure with its n (``with_n``), and call a tail from fewer than
    ``percentiles.MIN_P99_SAMPLES`` samples the max (``tail_with_n``).
+
+The bootstrap resamples the unit that chance acts on. Requests sent one by one each meet the machine afresh, so
+by default a sample is the unit. Requests sent all at once share their engine steps and move together: two runs
+of one burst can look alike request by request while the next burst runs 20 % slower, and a band bootstrapped
+over requests then reads far narrower than runs differ. For such loads pass ``by="run"``, give each side its
+runs (at least ``MIN_RUNS``), and the bootstrap draws runs first, then requests within each drawn run.
 """
 from __future__ import annotations
 
@@ -28,6 +34,8 @@ CONFIDENCE = 0.95
 N_RESAMPLES = 4000  # enough that the interval's ends barely move from seed to seed; tests may use fewer
 MAX_RESAMPLED_VALUES = 4_000_000  # per bootstrap batch: bounds memory for runs of many thousands of samples
 STATS = {"median": np.median, "mean": np.mean}
+NAN_STATS = {"median": np.nanmedian, "mean": np.nanmean}  # the same, over runs of unequal length padded with nan
+MIN_RUNS = 3  # by="run": fewer runs give too few distinct resamples for an interval's ends to mean anything
 AGAIN = " (again)"  # the repeated configuration's second run is recorded under its name + AGAIN
 
 
@@ -49,10 +57,16 @@ class Interval:
     n_a: int
     n_b: int
     confidence: float = CONFIDENCE
+    runs_a: int | None = None  # by="run": the runs the samples came in (the unit the bootstrap drew)
+    runs_b: int | None = None
+
+    def n_text(self) -> str:
+        """"n = 24 vs 24", or "n = 24 vs 24 in 3 vs 3 runs" when runs were the unit."""
+        runs = "" if self.runs_a is None else f" in {self.runs_a} vs {self.runs_b} runs"
+        return f"n = {self.n_a:,} vs {self.n_b:,}{runs}"
 
     def __str__(self) -> str:
-        return (f"{_factor(self.ratio)} ({100 * self.confidence:.0f} % interval {_range(self.low, self.high)}, "
-                f"n = {self.n_a:,} vs {self.n_b:,})")
+        return f"{_factor(self.ratio)} ({100 * self.confidence:.0f} % interval {_range(self.low, self.high)}, {self.n_text()})"
 
 
 @dataclass(frozen=True)
@@ -61,12 +75,14 @@ class Band:
     low: float
     high: float
     n: int  # samples on each side of the A/A comparison (the fewer, if they differ)
+    runs: int | None = None  # by="run": runs on each side (the fewer)
 
     def __contains__(self, ratio: float) -> bool:
         return self.low <= ratio <= self.high
 
     def __str__(self) -> str:
-        return f"A/A band {_range(self.low, self.high)} (n = {self.n:,})"
+        runs = "" if self.runs is None else f" in {self.runs} runs"
+        return f"A/A band {_range(self.low, self.high)} (n = {self.n:,}{runs})"
 
 
 def _values(xs: Iterable[float], side: str) -> np.ndarray:
@@ -87,12 +103,81 @@ def _statistic(stat: str | Callable) -> tuple[Callable, bool]:
     return STATS[stat], True
 
 
+def _runs(runs, side: str) -> tuple[np.ndarray, np.ndarray]:
+    """Runs of samples as a (runs, longest) matrix padded with nan, and each run's length."""
+    rows = [np.asarray(list(r), dtype=float) for r in runs]
+    if len(rows) < MIN_RUNS:
+        raise ValueError(f"{side} needs at least {MIN_RUNS} runs for an interval over runs, got {len(rows)}")
+    if any(r.ndim != 1 or r.size == 0 for r in rows):
+        raise ValueError(f"{side}: every run needs at least one sample (a list of floats per run)")
+    if not all(np.isfinite(r).all() for r in rows):
+        raise ValueError(f"{side} holds non-finite values (nan or inf): drop failed runs before comparing")
+    m = np.full((len(rows), max(r.size for r in rows)), np.nan)
+    for i, r in enumerate(rows):
+        m[i, :r.size] = r
+    return m, np.array([r.size for r in rows])
+
+
+def _two_stage(m: np.ndarray, lengths: np.ndarray, picks: np.ndarray, stat: Callable, rng) -> np.ndarray:
+    """stat of each resample: ``picks`` (resamples, runs) names the runs drawn; within each, its samples are drawn
+    again with replacement (positions past a run's length stay nan, which the nan-stat skips)."""
+    width = m.shape[1]
+    chosen = lengths[picks][..., None]                                    # (resamples, runs, 1)
+    within = np.minimum((rng.random((*picks.shape, width)) * chosen).astype(int), chosen - 1)
+    values = m[picks[..., None], within]
+    values = np.where(np.arange(width) < chosen, values, np.nan).reshape(len(picks), -1)
+    return stat(values, axis=1)
+
+
+def _run_ratio_interval(a, b, stat, confidence, n_resamples, seed, paired) -> Interval:
+    """``ratio_interval`` with runs as the unit: draw runs (the same round indexes on both sides when paired),
+    then samples within each drawn run."""
+    (ma, la), (mb, lb) = _runs(a, "a"), _runs(b, "b")
+    if paired and len(la) != len(lb):
+        raise ValueError(f"paired runs need the same count on both sides, got {len(la)} and {len(lb)}")
+    if callable(stat):
+        fn = stat
+        def nan_fn(v, axis):
+            return np.array([fn(row[np.isfinite(row)]) for row in v])
+    else:
+        _statistic(stat)  # the same refusal of an unknown name
+        fn, nan_fn = STATS[stat], NAN_STATS[stat]
+    name = stat if isinstance(stat, str) else getattr(stat, "__name__", "stat")
+    whole_a, whole_b = ma[np.isfinite(ma)], mb[np.isfinite(mb)]
+    if not fn(whole_a) > 0:
+        raise ValueError(f"the {name} of a is {fn(whole_a)}: a ratio needs a positive denominator")
+    rng = np.random.default_rng(seed)
+    batch = max(1, MAX_RESAMPLED_VALUES // (ma.size + mb.size))
+    ratios = []
+    for start in range(0, n_resamples, batch):
+        k = min(batch, n_resamples - start)
+        pick_a = rng.integers(0, len(la), (k, len(la)))
+        pick_b = pick_a if paired else rng.integers(0, len(lb), (k, len(lb)))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratios.append(_two_stage(mb, lb, pick_b, nan_fn, rng) / _two_stage(ma, la, pick_a, nan_fn, rng))
+    ratios = np.concatenate(ratios)
+    if not np.isfinite(ratios).all():
+        raise ValueError(f"the {name} of a was zero in some resamples (too few nonzero samples): "
+                         "compare another statistic (stat='mean') or take more samples")
+    low, high = np.quantile(ratios, [(1 - confidence) / 2, (1 + confidence) / 2])
+    return Interval(float(fn(whole_b) / fn(whole_a)), float(low), float(high), whole_a.size, whole_b.size,
+                    confidence, len(la), len(lb))
+
+
 def ratio_interval(a: Iterable[float], b: Iterable[float], stat: str | Callable = "median",
                    confidence: float = CONFIDENCE, n_resamples: int = N_RESAMPLES, seed: int = 0,
-                   paired: bool = False) -> Interval:
+                   paired: bool = False, by: str = "sample") -> Interval:
     """stat(b) / stat(a) with a percentile bootstrap interval. Unpaired, each side is resampled on its own; paired,
     the pairs (a[i], b[i]) are resampled together, for samples measured side by side (round i of an interleaved
-    run): what made both slow in one round then cancels out of the ratio. The same seed gives the same interval."""
+    run): what made both slow in one round then cancels out of the ratio. The same seed gives the same interval.
+
+    ``by="run"``: ``a`` and ``b`` are lists of runs (each a list of samples, at least ``MIN_RUNS`` a side) and
+    the bootstrap draws runs, then samples within them (paired: run i of each side together), so the interval
+    holds what changes from run to run, not only from request to request."""
+    if by == "run":
+        return _run_ratio_interval(a, b, stat, confidence, n_resamples, seed, paired)
+    if by != "sample":
+        raise ValueError(f'by must be "sample" or "run", not {by!r}')
     a, b = _values(a, "a"), _values(b, "b")
     if paired and len(a) != len(b):
         raise ValueError(f"paired samples need the same count on both sides, got {len(a)} and {len(b)} "
@@ -120,11 +205,13 @@ def ratio_interval(a: Iterable[float], b: Iterable[float], stat: str | Callable 
 
 def noise_band(a: Iterable[float], a_again: Iterable[float], stat: str | Callable = "median",
                confidence: float = CONFIDENCE, n_resamples: int = N_RESAMPLES, seed: int = 0,
-               paired: bool = False) -> Band:
+               paired: bool = False, by: str = "sample") -> Band:
     """The interval of a_again / a (the same configuration measured twice), widened to contain 1.0: a ratio
-    inside it is one chance alone can produce in this experiment."""
-    iv = ratio_interval(a, a_again, stat, confidence, n_resamples, seed, paired)
-    return Band(min(iv.low, 1.0), max(iv.high, 1.0), min(iv.n_a, iv.n_b))
+    inside it is one chance alone can produce in this experiment. ``by="run"``: lists of runs, as in
+    ``ratio_interval``."""
+    iv = ratio_interval(a, a_again, stat, confidence, n_resamples, seed, paired, by)
+    runs = None if iv.runs_a is None else min(iv.runs_a, iv.runs_b)
+    return Band(min(iv.low, 1.0), max(iv.high, 1.0), min(iv.n_a, iv.n_b), runs)
 
 
 @dataclass(frozen=True)
@@ -160,7 +247,7 @@ class Verdict:
         """"1.31x higher (95 % interval 1.18-1.45x, n = 24 vs 24; A/A band 0.92-1.09x)". A move down is given as
         a/b ("2.00x faster" rather than "0.50x faster"), its interval and band turned over to the same scale."""
         iv, band, conf = self.interval, self.band, f"{100 * self.interval.confidence:.0f} % interval"
-        n = f"n = {iv.n_a:,} vs {iv.n_b:,}"
+        n = iv.n_text()
         if self.sign == 0:
             where = "within" if iv.low >= band.low and iv.high <= band.high else "overlapping"
             return (f"{self.word} ({_factor(iv.ratio)}, {conf} {_range(iv.low, iv.high)} {where} the A/A band "
@@ -177,18 +264,22 @@ class Verdict:
         """The verdict as plain numbers, for a saved run's JSON."""
         iv = self.interval
         return {"word": self.word, "sign": self.sign, "ratio": iv.ratio, "low": iv.low, "high": iv.high,
-                "confidence": iv.confidence, "n_a": iv.n_a, "n_b": iv.n_b,
-                "band_low": self.band.low, "band_high": self.band.high, "band_n": self.band.n}
+                "confidence": iv.confidence, "n_a": iv.n_a, "n_b": iv.n_b, "runs_a": iv.runs_a, "runs_b": iv.runs_b,
+                "band_low": self.band.low, "band_high": self.band.high, "band_n": self.band.n,
+                "band_runs": self.band.runs}
 
 
 def verdict(a: Iterable[float], b: Iterable[float], band: Band, higher: str = "higher", lower: str = "lower",
             level: str = "level", higher_is_better: bool | None = None, stat: str | Callable = "median",
             confidence: float = CONFIDENCE, n_resamples: int = N_RESAMPLES, seed: int = 0,
-            paired: bool = False) -> Verdict:
+            paired: bool = False, by: str = "sample") -> Verdict:
     """``higher`` when the whole interval of stat(b)/stat(a) lies above ``band``, ``lower`` when below, else
     ``level``. Name the words for the metric: for latencies ``higher="slower", lower="faster"``; for a technique's
-    throughput ``higher="pays", lower="costs"``. Measure the band with the same stat and pairing."""
-    iv = ratio_interval(a, b, stat, confidence, n_resamples, seed, paired)
+    throughput ``higher="pays", lower="costs"``. Measure the band with the same stat, pairing and unit (``by``)."""
+    if (by == "run") != (band.runs is not None):
+        raise ValueError(f"the band was measured by {'run' if band.runs is not None else 'sample'}, "
+                         f"the comparison by {by}: measure both with the same unit")
+    iv = ratio_interval(a, b, stat, confidence, n_resamples, seed, paired, by)
     sign = 1 if iv.low > band.high else -1 if iv.high < band.low else 0
     return Verdict({1: higher, -1: lower, 0: level}[sign], sign, iv, band, higher_is_better)
 
@@ -224,40 +315,67 @@ class Experiment:
     ``per_round[name][r]`` holds what round r's call returned; ``samples[name]`` is those lists joined in round
     order. So when each call returns one float, sample r of every configuration comes from round r, and when
     each returns the same number of values (one per request of a fixed workload), sample k of round r is the
-    same request everywhere: ``paired=True`` pairs exactly those.
+    same request everywhere: ``paired=True`` pairs exactly those. A call may instead return any object (a
+    benchmark's whole run): ``results[name][r]`` keeps it, and ``figures(fn)`` reads samples out of it.
     """
     per_round: dict[str, list[list[float]]]
     order: list[list[str]]  # the call order of each round, as run
     repeat: str
+    results: dict[str, list[object]] | None = None  # what each call returned, as it returned it
 
     @property
     def samples(self) -> dict[str, list[float]]:
         return {name: [x for values in rounds for x in values] for name, rounds in self.per_round.items()}
 
-    def band(self, stat: str | Callable = "median", paired: bool = True, **kw) -> Band:
-        """This experiment's noise: the repeated configuration against its own second run."""
-        s = self.samples
-        return noise_band(s[self.repeat], s[self.repeat + AGAIN], stat, paired=paired, **kw)
+    def figures(self, fn: Callable[[object], float | Iterable[float]]) -> "Experiment":
+        """The same runs, their samples now ``fn(result)`` of each call's result: one experiment, several
+        figures (TTFT, TPOT, ...) read from the same interleaved runs."""
+        if self.results is None:
+            raise ValueError("this experiment kept no results (made by hand): build it with interleaved()")
+        per_round = {name: [_as_list(fn(x)) for x in xs] for name, xs in self.results.items()}
+        return Experiment(per_round, self.order, self.repeat, self.results)
 
-    def compare(self, a: str, b: str, stat: str | Callable = "median", paired: bool = True, **words) -> Verdict:
-        """``verdict`` of configuration ``b`` against ``a``, read against this experiment's band (same stat and
-        pairing). ``words``: ``higher``, ``lower``, ``level``, ``higher_is_better``, and ``verdict``'s options."""
+    def band(self, stat: str | Callable = "median", paired: bool = True, by: str = "sample", **kw) -> Band:
+        """This experiment's noise: the repeated configuration against its own second run. ``by="run"``: each
+        round's call is one run, the unit the bootstrap draws (for loads sent all at once)."""
+        a, a_again = self._sides(self.repeat, self.repeat + AGAIN, by)
+        return noise_band(a, a_again, stat, paired=paired, by=by, **kw)
+
+    def compare(self, a: str, b: str, stat: str | Callable = "median", paired: bool = True, by: str = "sample",
+                **words) -> Verdict:
+        """``verdict`` of configuration ``b`` against ``a``, read against this experiment's band (same stat,
+        pairing and unit). ``words``: ``higher``, ``lower``, ``level``, ``higher_is_better``, and ``verdict``'s
+        options."""
         options = {k: words.pop(k) for k in ("confidence", "n_resamples", "seed") if k in words}
-        band = self.band(stat, paired, **options)
+        band = self.band(stat, paired, by, **options)
+        x, y = self._sides(a, b, by)
+        return verdict(x, y, band, stat=stat, paired=paired, by=by, **options, **words)
+
+    def _sides(self, a: str, b: str, by: str):
+        if by == "run":
+            return self.per_round[a], self.per_round[b]
         s = self.samples
-        return verdict(s[a], s[b], band, stat=stat, paired=paired, **options, **words)
+        return s[a], s[b]
 
 
 def _as_list(out) -> list[float]:
     return [float(x) for x in out] if isinstance(out, Iterable) else [float(out)]
 
 
-def interleaved(runs: dict[str, Callable[[], float | Iterable[float]]], rounds: int, repeat: str | None = None,
+def _samples_or_none(out) -> list[float]:
+    try:
+        return _as_list(out)
+    except (TypeError, ValueError):  # a whole result (a benchmark's run): read it later with figures()
+        return []
+
+
+def interleaved(runs: dict[str, Callable[[], object]], rounds: int, repeat: str | None = None,
                 warmup: int = 0, progress: bool = True) -> Experiment:
     """Run every configuration once a round for ``rounds`` rounds, and ``repeat`` (default: the first) twice;
     each round's order is the previous one's rotated by one, so no configuration always goes first or last (each
     still follows the same neighbour). ``warmup`` rounds run first and are thrown away (first calls pay for caches
-    and compilers)."""
+    and compilers). A call returns its samples (a float or a list of them) or any result to read with
+    ``Experiment.figures``."""
     if rounds < 2:
         raise ValueError(f"an interval needs at least 2 rounds, got {rounds}")
     repeat = next(iter(runs)) if repeat is None else repeat
@@ -265,6 +383,7 @@ def interleaved(runs: dict[str, Callable[[], float | Iterable[float]]], rounds: 
         raise ValueError(f"repeat={repeat!r} is not one of the runs {list(runs)}")
     base = rotated_order(list(runs), repeat)
     per_round = {name: [] for name in base}
+    results = {name: [] for name in base}
     order = []
     with tqdm(total=(warmup + rounds) * len(base), desc="interleaved", unit="run", disable=not progress) as bar:
         for r in range(warmup + rounds):
@@ -272,13 +391,14 @@ def interleaved(runs: dict[str, Callable[[], float | Iterable[float]]], rounds: 
             this = base[shift:] + base[:shift]
             for name in this:
                 bar.set_postfix_str(name)
-                out = _as_list(runs[name.removesuffix(AGAIN)]())
+                out = runs[name.removesuffix(AGAIN)]()
                 if r >= warmup:
-                    per_round[name].append(out)
+                    per_round[name].append(_samples_or_none(out))
+                    results[name].append(out)
                 bar.update(1)
             if r >= warmup:
                 order.append(this)
-    return Experiment(per_round, order, repeat)
+    return Experiment(per_round, order, repeat, results)
 
 
 def one_run_each(new: float, old: float, what: str = "one run each") -> str:

@@ -4,6 +4,7 @@ import pytest
 
 from labsupport.measure import (AGAIN, Band, Interval, Verdict, interleaved, median_and_tail, noise_band, one_run_each,
                                 ratio_interval, tail_with_n, trend, verdict, with_n)
+from labsupport.measure import MIN_RUNS
 
 FAST = {"n_resamples": 500}  # the tests' intervals: enough resamples to place their ends, quick on one core
 
@@ -241,3 +242,93 @@ def test_goodput_rate_is_the_highest_rate_before_the_first_miss():
     assert goodput_rate([1, 2, 4, 8], shares) == 2
     assert goodput_rate([1, 2], [share_interval(50, 100), share_interval(99, 100)]) is None  # not even the lowest
     assert goodput_rate([1, 2], shares[:2], target=0.97) == 1
+
+
+def bursts(rng, runs: int, shift: float = 1.0, n: int = 8, sigma_run: float = 0.1, sigma_request: float = 0.005):
+    """``runs`` bursts of ``n`` requests sent at once: the requests of one burst share its steps, so they move
+    together (a run-wide factor of ``sigma_run``) and differ little among themselves (``sigma_request``)."""
+    return [list(shift * rng.lognormal(0, sigma_run) * rng.lognormal(0, sigma_request, n)) for _ in range(runs)]
+
+
+def joined(runs):
+    return [x for run in runs for x in run]
+
+
+def test_one_burst_a_side_reads_chance_as_a_difference_and_runs_as_the_unit_do_not():
+    by_sample, by_run = [], []
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        one = [joined(bursts(rng, 1)) for _ in range(3)]  # A, A again, B: one burst each, one distribution
+        by_sample.append(word(*one, seed, paired=True))
+        a, a_again, b = (bursts(rng, MIN_RUNS) for _ in range(3))
+        band = noise_band(a, a_again, by="run", paired=True, seed=seed, **FAST)
+        by_run.append(verdict(a, b, band, by="run", paired=True, seed=seed, **FAST).word)
+    # requests that move together look like 8 independent samples: the band is far too narrow, chance "wins"
+    assert len(by_sample) - by_sample.count("level") >= 16, by_sample
+    assert by_run.count("level") >= 38, by_run
+
+
+def test_runs_as_the_unit_find_a_planted_difference_between_bursts_both_ways():
+    found = []
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        a, a_again, slower, faster = (bursts(rng, 4), bursts(rng, 4), bursts(rng, 4, 1.6), bursts(rng, 4, 1 / 1.6))
+        band = noise_band(a, a_again, by="run", paired=True, seed=seed, **FAST)
+        assert band.runs == 4 and band.n == 32 and band.low <= 1.0 <= band.high
+        found.append((verdict(a, slower, band, by="run", paired=True, seed=seed, **FAST).word,
+                      verdict(a, faster, band, by="run", paired=True, seed=seed, **FAST).word))
+    assert sum(f == ("higher", "lower") for f in found) >= 16, found
+
+
+def test_an_interval_over_runs_holds_the_pooled_ratio_and_counts_runs_of_any_length():
+    a = [[1.0, 1.1, 0.9], [1.2, 1.0], [0.8, 1.0, 1.1, 0.9]]
+    b = [[2.0, 2.2], [2.4, 1.8, 2.0], [2.1, 1.9, 2.0]]
+    iv = ratio_interval(a, b, stat="mean", by="run", **FAST)
+    assert iv.ratio == pytest.approx(np.mean(joined(b)) / np.mean(joined(a)))
+    assert (iv.n_a, iv.n_b, iv.runs_a, iv.runs_b) == (9, 8, 3, 3) and iv.low <= iv.ratio <= iv.high
+    assert "n = 9 vs 8 in 3 vs 3 runs" in str(iv)
+    assert ratio_interval(a, b, by="run", seed=3, **FAST) == ratio_interval(a, b, by="run", seed=3, **FAST)
+    every_run_alike = ratio_interval([[1.0, 2.0]] * 3, [[2.0, 4.0]] * 3, stat="mean", by="run", paired=True, **FAST)
+    assert every_run_alike.low < 2.0 < every_run_alike.high  # requests are still drawn within each run
+    tenth = ratio_interval(a, b, stat=lambda x: np.percentile(x, 90), by="run", **FAST)
+    assert tenth.ratio == pytest.approx(np.percentile(joined(b), 90) / np.percentile(joined(a), 90))
+    band = noise_band(a, b, by="run", **FAST)
+    assert band.runs == 3 and "in 3 runs" in str(band)
+    v = verdict(a, b, Band(0.8, 1.25, 8, runs=3), by="run", **FAST)
+    assert v.word == "higher" and "in 3 vs 3 runs" in str(v) and v.as_dict()["runs_a"] == 3
+
+
+def test_runs_are_refused_with_a_reason():
+    with pytest.raises(ValueError, match=f"at least {MIN_RUNS} runs"):
+        ratio_interval([[1.0, 2.0], [1.0]], [[1.0], [2.0], [3.0]], by="run")
+    with pytest.raises(ValueError, match="at least one sample"):
+        ratio_interval([[1.0], [], [2.0]], [[1.0], [2.0], [3.0]], by="run")
+    with pytest.raises(ValueError, match="non-finite"):
+        ratio_interval([[1.0], [float("nan")], [2.0]], [[1.0], [2.0], [3.0]], by="run")
+    with pytest.raises(ValueError, match="same count"):
+        ratio_interval([[1.0]] * 3, [[1.0]] * 4, by="run", paired=True)
+    with pytest.raises(ValueError, match="by must be"):
+        ratio_interval([1.0, 2.0], [1.0, 2.0], by="round")
+    with pytest.raises(ValueError, match="same unit"):  # a band over samples read against runs, or the reverse
+        verdict([[1.0]] * 3, [[2.0]] * 3, Band(0.9, 1.1, 3), by="run")
+    with pytest.raises(ValueError, match="same unit"):
+        verdict([1.0, 2.0], [2.0, 3.0], Band(0.9, 1.1, 3, runs=3))
+
+
+def test_an_experiment_of_whole_results_reads_each_figure_by_run():
+    rng = np.random.default_rng(11)
+
+    def burst(shift):  # a benchmark's whole run: several figures per request
+        (ttft,) = bursts(rng, 1, shift)
+        return {"ttft": ttft, "tpot": [t / 10 for t in ttft]}
+
+    exp = interleaved({"async": lambda: burst(1.0), "lock": lambda: burst(3.0)}, rounds=4, repeat="async",
+                      progress=False)
+    assert exp.per_round["lock"] == [[]] * 4 and len(exp.results["async" + AGAIN]) == 4
+    ttft = exp.figures(lambda run: run["ttft"])
+    assert [len(r) for r in ttft.per_round["lock"]] == [8] * 4
+    v = ttft.compare("lock", "async", by="run", higher="slower", lower="faster", **FAST)
+    assert v.word == "faster" and (v.interval.runs_a, v.band.runs) == (4, 4)
+    assert exp.figures(lambda run: run["tpot"]).compare("async", "async" + AGAIN, by="run", **FAST).word == "level"
+    with pytest.raises(ValueError, match="kept no results"):
+        type(exp)({"a": [[1.0]]}, [["a"]], "a").figures(len)
