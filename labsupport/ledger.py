@@ -26,6 +26,7 @@ from __future__ import annotations
 import html
 import json
 import os
+import re
 import tempfile
 import time
 import warnings
@@ -227,3 +228,48 @@ class Ledger:
 def show(path=None) -> Ledger:
     """The ledger, for ``display``: every chapter's technique, control, decision and evidence, by chapter."""
     return Ledger(entries(path))
+
+
+def from_markdown(text: str) -> list[Entry]:
+    """The entries of a table ``Ledger.markdown`` wrote (chapter 09's saved output), the inverse of ``markdown``."""
+    rows = []
+    for line in text.strip().splitlines():
+        cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+        if len(cells) != len(HEAD):
+            raise ValueError(f"not a ledger row ({len(cells)} cells, not {len(HEAD)}): {line[:80]!r}")
+        if cells == HEAD or set("".join(cells)) <= {"-"}:
+            continue  # the heading and its rule
+        chapter, technique, control, decision, evidence, date = cells
+        rows.append(Entry(chapter, technique, control, decision.strip("*"), evidence, date))
+    return rows
+
+
+def restore(notebook, path=None) -> list[Entry]:
+    """Replace the ledger file with the table a saved notebook shows (its ``ledger.show()`` output). For a developer
+    who executes one chapter again: restored from the committed chapter 09 first, the ledger holds the committed
+    chapters' decisions, and the chapter executed replaces only its own row."""
+    cells = json.loads(Path(notebook).read_text(encoding="utf-8"))["cells"]
+    shown = [out["data"]["text/markdown"] for cell in cells for out in cell.get("outputs", [])
+             if "ledger.show()" in "".join(cell.get("source", [])) and "text/markdown" in out.get("data", {})]
+    if len(shown) != 1:
+        raise ValueError(f"{notebook}: expected one saved ledger.show() output, found {len(shown)}")
+    text = "".join(shown[0]) if isinstance(shown[0], list) else shown[0]
+    rows = [] if text.strip() == EMPTY else from_markdown(text)
+    where = _resolve(path)
+    if where is None:
+        raise OSError("no home directory to keep the ledger file in")
+    _write(where, _in_order(rows))
+    _unsaved.pop(where, None)
+    return rows
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m labsupport.ledger",
+                                     description="Restore the decision ledger from a saved notebook's table.")
+    parser.add_argument("notebook", help="a saved notebook that shows the ledger (chapter 09)")
+    parser.add_argument("--path", help="the ledger file (default: $LABSUPPORT_LEDGER or the cache's ledger.json)")
+    args = parser.parse_args()
+    restored = restore(args.notebook, args.path)
+    print(f"{len(restored)} entries restored to {_resolve(args.path)}: chapters {', '.join(e.chapter for e in restored)}")

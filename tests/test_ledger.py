@@ -147,3 +147,26 @@ def test_the_table_lists_every_column_and_escapes_what_would_break_it(tmp_path):
     assert md.splitlines()[0] == "| ch. | technique | control | decision | evidence | recorded (UTC) |"
     assert "| 07 | 1P+1D | colocated | **Reject** | shares 5/8 \\| 8/8 <b> |" in md
     assert "&lt;b&gt;" in shown._repr_html_() and str(shown) == md
+
+
+def test_a_saved_table_restores_the_entries_it_shows(tmp_path):
+    path = tmp_path / "ledger.json"
+    ledger.record("03", "prefix caching", "no cache", "fewer", "16 | 1,040 tokens (counts)", better=True, path=path)
+    ledger.record("05", "chunked prefill", "whole prompts", None, "one run each: no verdict", path=path)
+    shown = ledger.show(path)
+    assert ledger.from_markdown(shown.markdown()) == ledger.entries(path)
+    saved = {"cells": [{"cell_type": "code", "source": ["from labsupport import ledger\n", "\n", "ledger.show()"],
+                        "outputs": [{"output_type": "execute_result",
+                                     "data": {"text/markdown": shown.markdown(), "text/plain": str(shown)}}]}]}
+    notebook = tmp_path / "09.ipynb"
+    notebook.write_text(json.dumps(saved))
+    other = tmp_path / "other.json"
+    ledger.record("07", "1P+1D", "colocated", None, "e", path=other)
+    restored = ledger.restore(notebook, other)
+    assert restored == ledger.entries(other) == ledger.entries(path)  # 07 gone: the file is the table, whole
+    with pytest.raises(ValueError, match="not a ledger row"):
+        ledger.from_markdown("| 01 | KV cache |")
+    saved["cells"] = []
+    notebook.write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="expected one saved"):
+        ledger.restore(notebook, other)
