@@ -125,11 +125,19 @@ def planted(saved: dict, spread: float = 0.02) -> dict:
 
 
 def test_saved_run_reads_through_its_own_bands_and_without_samples_as_ratios():
-    saved = capstone.load()  # saved with each request's figures: an A/A band per traffic, words where they clear it
-    assert all(b["band"] is not None and b["band"]["low"] <= 1.0 <= b["band"]["high"] for b in saved["bands"])
-    words = {v["verdict"] for row in saved["decision"] for v in row["techniques"].values()}
-    assert words <= {"pays", "costs", "level", "idle"} and words & {"pays", "costs"}
-    assert "ratios only" not in format_decision(saved)
+    saved = capstone.load()  # saved with each request's figures: an A/A band per spread-out traffic
+    at_once = {t["name"] for t in saved["traffics"] if math.isinf(t["rate"])}
+    assert at_once == {"short chat", "shared system prompt", "long reasoning"}
+    for b in saved["bands"]:
+        if b["traffic"] in at_once:  # one burst a column: one sample, no band, whatever its requests say
+            assert b["band"] is None and b["why_none"] == capstone.AT_ONCE
+        else:
+            assert b["band"] is not None and b["band"]["low"] <= 1.0 <= b["band"]["high"]
+    for row in saved["decision"]:
+        words = {v["verdict"] for v in [*row["techniques"].values(), row["ours_vs_transformers"], row["ours_vs_vllm"]]}
+        assert words <= ({None, "idle"} if row["traffic"] in at_once else {"pays", "costs", "ahead", "behind", "level", "idle"})
+    assert {v["verdict"] for row in saved["decision"] for v in row["techniques"].values()} & {"pays", "costs"}
+    assert f"short chat, shared system prompt and long reasoning ({capstone.AT_ONCE})" in format_decision(saved)
     assert capstone.read(saved)["decision"] == saved["decision"]  # the bootstrap is seeded: the same file, the same words
     bare = copy.deepcopy(saved)  # the same run without its per-request figures: ratios, no band, no word
     for c in bare["columns"]:
@@ -144,11 +152,30 @@ def test_saved_run_reads_through_its_own_bands_and_without_samples_as_ratios():
 def test_planted_samples_give_words_both_ways():
     saved = capstone.load()
     rows = {row["traffic"]: row for row in planted(saved)["decision"]}
-    shared, chat, bursty = rows["shared system prompt"], rows["short chat"], rows["bursty load"]
+    rag, bursty = rows["long-document RAG"], rows["bursty load"]
+    assert rag["techniques"]["chunked prefill"]["verdict"] == "pays"  # SLO met 100 % against 40 %
+    assert bursty["ours_vs_transformers"]["verdict"] == "ahead"  # 100 % against 71 %
+    assert bursty["techniques"]["chunked prefill"]["verdict"] == "level"  # every SLO met with and without it
+    spread_out = planted(saved)
+    for t in spread_out["traffics"]:
+        t["rate"] = 1.0  # the same figures as if each traffic had arrived spread out: chat's words come back
+    rows = {row["traffic"]: row for row in capstone.read(spread_out)["decision"]}
+    shared, chat = rows["shared system prompt"], rows["short chat"]
     assert shared["techniques"]["prefix caching"]["verdict"] == "pays"  # 3.35x beyond a 2 % band
     assert chat["techniques"]["int8 weights"]["verdict"] == "costs"  # 0.66x
     assert chat["ours_vs_vllm"]["verdict"] == "behind" and shared["ours_vs_transformers"]["verdict"] == "ahead"
-    assert bursty["techniques"]["chunked prefill"]["verdict"] == "level"  # every SLO met with and without it
+
+
+def test_a_traffic_sent_at_once_gets_ratios_and_no_verdict_however_its_requests_read():
+    r = synthetic(again=100)
+    r["traffics"][0]["rate"] = math.inf  # chat all at once; reasoning keeps no rate (an older file)
+    read = capstone.read(r)
+    chat, reasoning = read["decision"]
+    assert read["bands"][0] == {**read["bands"][0], "band": None, "why_none": capstone.AT_ONCE}
+    assert chat["techniques"]["prefix caching"] == {"x": pytest.approx(2.0), "verdict": None}
+    assert reasoning["techniques"]["speculative decoding"]["verdict"] == "costs"  # a band of its own still
+    assert f"no band, so ratios only, on chat ({capstone.AT_ONCE})" in format_decision(read)
+    assert "one run each, no verdict: chat" in reading(read)
 
 
 def test_payload_sends_vllm_extensions_only_when_asked():
@@ -169,7 +196,7 @@ def test_capstone_run_on_loopback_shared_prompt_hits_only_with_prefix_caching(tm
         assert len(x["per_request"]["e2el_ms"]) == 3 and sum(x["per_request"]["output_tokens"]) == x["output_tokens"]
     row = r["decision"][0]
     assert row["techniques"]["prefix caching"]["x"] == pytest.approx(on["output_tok_s"] / off["output_tok_s"])
-    assert r["bands"][0]["why_none"] == "no all (again) column"
+    assert r["bands"][0]["why_none"] == capstone.AT_ONCE  # sent at once: no band, with or without all (again)
     assert row["techniques"]["prefix caching"]["verdict"] is None  # no A/A run: a ratio, no word
     assert "shared system prompt" in format_full(r)
     plot_capstone(r).savefig(tmp_path / "c.png")

@@ -22,7 +22,9 @@ order, in every column), so the decision follows ``labsupport.measure``: ``all``
 (``all (again)``), and that pair, request by request, gives each traffic's A/A band (``bands``); a technique
 "pays" or "costs", and ours is "ahead" of or "behind" transformers and vLLM, only where the bootstrap interval of
 the ratio, paired by request, lies outside that band, else "level". A run saved without per-request figures
-(an older run) or without ``all (again)`` gets ratios only, one run each, and no verdict.
+(an older run) or without ``all (again)`` gets ratios only, one run each, and no verdict; so does every traffic
+sent all at once (short chat, shared system prompt, long reasoning), whose requests move together: one run a
+column is one sample there, and a band over runs needs three runs of every column.
 
     python -m labsupport bench capstone --json labsupport/data/capstone_cpu.json --plot benchmarks/capstone.png
 
@@ -230,10 +232,19 @@ def _paired(a: list, b: list) -> tuple[list[float], list[float]]:
     return [x for x, _ in keep], [y for _, y in keep]
 
 
+AT_ONCE = "sent at once: one run a column is one sample"
+
+
 def _band(result: dict, traffic: dict, seed: int = 0) -> tuple[Band | None, str]:
-    """This traffic's A/A band (``all`` against ``all (again)``, paired by request), or None and why not."""
+    """This traffic's A/A band (``all`` against ``all (again)``, paired by request), or None and why not.
+
+    A traffic sent all at once has none: its requests share their engine steps and move together, so one run of
+    a column is one sample, and a bootstrap over its requests reads chance as a difference (``labsupport.measure``,
+    ``by="run"``: a band needs at least three runs of each column, which this one-run-a-column design lacks)."""
     cell, metric = _cells(result), traffic["headline"]
     first, again = samples(cell("all", traffic["name"]), metric), samples(cell(AGAIN, traffic["name"]), metric)
+    if math.isinf(traffic.get("rate", 0.0)):
+        return None, AT_ONCE
     if not cell(AGAIN, traffic["name"]):
         return None, "no all (again) column"
     if first is None or again is None:

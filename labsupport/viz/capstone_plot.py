@@ -49,11 +49,15 @@ def rule_line(r: dict) -> str:
         return (f"one run per cell, and this run has {' and '.join(whys) or 'no A/A band'}: "
                 "ratios only, one run each, no verdict")
     samples = sorted({SAMPLE_NAMES.get(b["sample"], b["sample"]) for b in banded})
-    missing = [f"{b['traffic']} ({b['why_none']})" for b in r["bands"] if not b["band"]]
+    whys = {}  # why -> the traffics without a band for that reason, in table order
+    for b in r["bands"]:
+        if not b["band"]:
+            whys.setdefault(b["why_none"], []).append(b["traffic"])
+    missing = [f"{_where(names)} ({why})" for why, names in whys.items()]
     return ("a word only where the 95 % bootstrap interval of the ratio, paired by request (" + "; ".join(samples)
             + "), lies outside that traffic's A/A band, all against all (again): "
             + "; ".join(f"{b['traffic']} {_range(b['band'])}" for b in banded) + "; else level"
-            + (f"; no band, so ratios only, on {_where(missing)}" if missing else "") + "; one run per cell")
+            + (f"; no band, so ratios only, on {'; '.join(missing)}" if missing else "") + "; one run per cell")
 
 
 def _cell(v: dict) -> str:
