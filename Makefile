@@ -95,7 +95,9 @@ slides-instructor: setup slides-deps
 exercises: setup
 	$(BIN)/python -m labsupport.exercises
 
-# Re-execute every chapter top to bottom in place (authors: run before committing a chapter).
+# Re-execute every chapter top to bottom in place (authors: run before committing a chapter). To execute one
+# chapter again instead, restore the ledger the committed chapter 09 shows first, then execute that chapter and
+# 09: $(BIN)/python -m labsupport.ledger notebooks/09_compute_less.ipynb
 execute: model
 	for nb in $(CHAPTERS); do $(BIN)/jupyter nbconvert --to notebook --execute --inplace $$nb || exit 1; done
 	$(BIN)/python -m labsupport.exercises
