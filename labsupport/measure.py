@@ -35,7 +35,10 @@ N_RESAMPLES = 4000  # enough that the interval's ends barely move from seed to s
 MAX_RESAMPLED_VALUES = 4_000_000  # per bootstrap batch: bounds memory for runs of many thousands of samples
 STATS = {"median": np.median, "mean": np.mean}
 NAN_STATS = {"median": np.nanmedian, "mean": np.nanmean}  # the same, over runs of unequal length padded with nan
-MIN_RUNS = 3  # by="run": fewer runs give too few distinct resamples for an interval's ends to mean anything
+# by="run": fewer runs give too few distinct resamples for an interval's ends to mean anything. A floor, not a
+# guarantee: from three runs the interval cannot reach past the most extreme one, so it reads narrower than the
+# noise may be; more rounds where the time allows.
+MIN_RUNS = 3
 AGAIN = " (again)"  # the repeated configuration's second run is recorded under its name + AGAIN
 
 
@@ -105,6 +108,9 @@ def _statistic(stat: str | Callable) -> tuple[Callable, bool]:
 
 def _runs(runs, side: str) -> tuple[np.ndarray, np.ndarray]:
     """Runs of samples as a (runs, longest) matrix padded with nan, and each run's length."""
+    runs = list(runs)
+    if any(isinstance(r, (int, float, np.number)) for r in runs):
+        raise ValueError(f'{side}: by="run" takes a list of runs, each a list of samples, not a flat list of numbers')
     rows = [np.asarray(list(r), dtype=float) for r in runs]
     if len(rows) < MIN_RUNS:
         raise ValueError(f"{side} needs at least {MIN_RUNS} runs for an interval over runs, got {len(rows)}")
@@ -141,6 +147,8 @@ def _run_ratio_interval(a, b, stat, confidence, n_resamples, seed, paired) -> In
             return np.array([fn(row[np.isfinite(row)]) for row in v])
     else:
         _statistic(stat)  # the same refusal of an unknown name
+        if stat not in NAN_STATS:
+            raise ValueError(f'stat {stat!r} has no nan-skipping form for by="run": add it to NAN_STATS')
         fn, nan_fn = STATS[stat], NAN_STATS[stat]
     name = stat if isinstance(stat, str) else getattr(stat, "__name__", "stat")
     whole_a, whole_b = ma[np.isfinite(ma)], mb[np.isfinite(mb)]
@@ -352,6 +360,11 @@ class Experiment:
         return verdict(x, y, band, stat=stat, paired=paired, by=by, **options, **words)
 
     def _sides(self, a: str, b: str, by: str):
+        for name in (a, b):
+            if name not in self.per_round:
+                raise ValueError(f"{name!r} is not one of this experiment's runs {list(self.per_round)}")
+            if not any(self.per_round[name]):
+                raise ValueError(f"{name!r} kept whole results, no samples: read them with figures(fn) first")
         if by == "run":
             return self.per_round[a], self.per_round[b]
         s = self.samples
@@ -363,10 +376,15 @@ def _as_list(out) -> list[float]:
 
 
 def _samples_or_none(out) -> list[float]:
-    try:
+    """A call's samples, or [] for a whole result (a benchmark's run, a dict) to read later with ``figures``.
+    Numbers and lists of them must convert: a None or a failed request's None among them is an error here, not
+    a sample silently gone."""
+    if out is None:
+        raise ValueError("a run returned None: return its samples (a float or a list) or its whole result")
+    if isinstance(out, (int, float, np.number)) or (isinstance(out, Iterable)
+                                                   and not isinstance(out, (str, bytes, dict))):
         return _as_list(out)
-    except (TypeError, ValueError):  # a whole result (a benchmark's run): read it later with figures()
-        return []
+    return []
 
 
 def interleaved(runs: dict[str, Callable[[], object]], rounds: int, repeat: str | None = None,

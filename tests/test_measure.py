@@ -332,3 +332,28 @@ def test_an_experiment_of_whole_results_reads_each_figure_by_run():
     assert exp.figures(lambda run: run["tpot"]).compare("async", "async" + AGAIN, by="run", **FAST).word == "level"
     with pytest.raises(ValueError, match="kept no results"):
         type(exp)({"a": [[1.0]]}, [["a"]], "a").figures(len)
+
+
+def test_runs_weigh_by_their_length_and_pairing_by_round_cancels_what_a_round_shares():
+    # a run of one slow sample and a run of nine quick ones: pooled, the quick ones outnumber it
+    weighed = ratio_interval([[10.0], [1.0] * 9, [1.0] * 9], [[1.0]] * 3, stat="mean", by="run", **FAST)
+    assert weighed.ratio == pytest.approx(1.0 / (28.0 / 19)) and (weighed.n_a, weighed.n_b) == (19, 3)
+    rng = np.random.default_rng(2)
+    mood = rng.lognormal(0, 0.4, 6)  # each round's machine speed, shared by both sides of that round
+    a = [list(m * rng.lognormal(0, 0.01, 8)) for m in mood]
+    b = [list(1.2 * m * rng.lognormal(0, 0.01, 8)) for m in mood]
+    paired = ratio_interval(a, b, by="run", paired=True, **FAST)
+    unpaired = ratio_interval(a, b, by="run", paired=False, **FAST)
+    assert paired.low < 1.2 < paired.high and paired.high - paired.low < (unpaired.high - unpaired.low) / 3
+
+
+def test_an_experiment_refuses_lost_samples_and_names_what_to_do():
+    with pytest.raises(ValueError, match="returned None"):
+        interleaved({"a": lambda: None, "b": lambda: 1.0}, rounds=2, progress=False)
+    with pytest.raises((TypeError, ValueError)):  # a failed request's None among the samples
+        interleaved({"a": lambda: [1.0, None], "b": lambda: [1.0, 2.0]}, rounds=2, progress=False)
+    whole = interleaved({"a": lambda: {"x": [1.0, 2.0]}, "b": lambda: {"x": [2.0, 3.0]}}, rounds=3, progress=False)
+    with pytest.raises(ValueError, match="figures"):
+        whole.compare("a", "b", **FAST)
+    with pytest.raises(ValueError, match="flat list"):
+        ratio_interval([1.0, 2.0, 3.0], [[1.0], [2.0], [3.0]], by="run")
