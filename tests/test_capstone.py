@@ -125,7 +125,7 @@ def planted(saved: dict, spread: float = 0.02) -> dict:
 
 
 def test_saved_run_reads_through_its_own_bands_and_without_samples_as_ratios():
-    saved = capstone.load()  # saved with each request's figures: an A/A band per spread-out traffic
+    saved = capstone.load()  # saved with each request's figures: an A/A band per traffic not sent at once
     at_once = {t["name"] for t in saved["traffics"] if math.isinf(t["rate"])}
     assert at_once == {"short chat", "shared system prompt", "long reasoning"}
     for b in saved["bands"]:
@@ -158,7 +158,7 @@ def test_planted_samples_give_words_both_ways():
     assert bursty["techniques"]["chunked prefill"]["verdict"] == "level"  # every SLO met with and without it
     spread_out = planted(saved)
     for t in spread_out["traffics"]:
-        t["rate"] = 1.0  # the same figures as if each traffic had arrived spread out: chat's words come back
+        t["rate"] = 1.0  # the same figures as if no traffic had been sent at once: chat's words come back
     rows = {row["traffic"]: row for row in capstone.read(spread_out)["decision"]}
     shared, chat = rows["shared system prompt"], rows["short chat"]
     assert shared["techniques"]["prefix caching"]["verdict"] == "pays"  # 3.35x beyond a 2 % band
@@ -176,6 +176,8 @@ def test_a_traffic_sent_at_once_gets_ratios_and_no_verdict_however_its_requests_
     assert reasoning["techniques"]["speculative decoding"]["verdict"] == "costs"  # a band of its own still
     assert f"no band, so ratios only, on chat ({capstone.AT_ONCE})" in format_decision(read)
     assert "one run each, no verdict: chat" in reading(read)
+    r["traffics"][0]["rate"] = "inf"  # as a hand-written file might say it
+    assert capstone.read(r)["bands"][0]["why_none"] == capstone.AT_ONCE
 
 
 def test_payload_sends_vllm_extensions_only_when_asked():

@@ -235,16 +235,23 @@ def _paired(a: list, b: list) -> tuple[list[float], list[float]]:
 AT_ONCE = "sent at once: one run a column is one sample"
 
 
+def sent_at_once(traffic: dict) -> bool:
+    """Whether a saved traffic sent every request at once (rate inf, saved as Infinity or "inf"); a file without
+    a rate (older, or made by hand) is read as spread out."""
+    rate = traffic.get("rate")
+    return rate is not None and float(rate) == math.inf
+
+
 def _band(result: dict, traffic: dict, seed: int = 0) -> tuple[Band | None, str]:
     """This traffic's A/A band (``all`` against ``all (again)``, paired by request), or None and why not.
 
     A traffic sent all at once has none: its requests share their engine steps and move together, so one run of
     a column is one sample, and a bootstrap over its requests reads chance as a difference (``labsupport.measure``,
     ``by="run"``: a band needs at least three runs of each column, which this one-run-a-column design lacks)."""
+    if sent_at_once(traffic):
+        return None, AT_ONCE
     cell, metric = _cells(result), traffic["headline"]
     first, again = samples(cell("all", traffic["name"]), metric), samples(cell(AGAIN, traffic["name"]), metric)
-    if math.isinf(traffic.get("rate", 0.0)):
-        return None, AT_ONCE
     if not cell(AGAIN, traffic["name"]):
         return None, "no all (again) column"
     if first is None or again is None:
