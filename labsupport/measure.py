@@ -323,8 +323,9 @@ class Experiment:
     ``per_round[name][r]`` holds what round r's call returned; ``samples[name]`` is those lists joined in round
     order. So when each call returns one float, sample r of every configuration comes from round r, and when
     each returns the same number of values (one per request of a fixed workload), sample k of round r is the
-    same request everywhere: ``paired=True`` pairs exactly those. A call may instead return any object (a
-    benchmark's whole run): ``results[name][r]`` keeps it, and ``figures(fn)`` reads samples out of it.
+    same request everywhere: ``paired=True`` pairs exactly those. A call may instead return a whole result, a
+    dict or any object that is not iterable (a benchmark's run): ``results[name][r]`` keeps it, and
+    ``figures(fn)`` reads samples out of it.
     """
     per_round: dict[str, list[list[float]]]
     order: list[list[str]]  # the call order of each round, as run
@@ -383,7 +384,11 @@ def _samples_or_none(out) -> list[float]:
         raise ValueError("a run returned None: return its samples (a float or a list) or its whole result")
     if isinstance(out, (int, float, np.number)) or (isinstance(out, Iterable)
                                                    and not isinstance(out, (str, bytes, dict))):
-        return _as_list(out)
+        try:
+            return _as_list(out)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"a run returned samples that are not all numbers (a failed request's None?): "
+                             f"{error}") from error
     return []
 
 
@@ -392,8 +397,8 @@ def interleaved(runs: dict[str, Callable[[], object]], rounds: int, repeat: str 
     """Run every configuration once a round for ``rounds`` rounds, and ``repeat`` (default: the first) twice;
     each round's order is the previous one's rotated by one, so no configuration always goes first or last (each
     still follows the same neighbour). ``warmup`` rounds run first and are thrown away (first calls pay for caches
-    and compilers). A call returns its samples (a float or a list of them) or any result to read with
-    ``Experiment.figures``."""
+    and compilers). A call returns its samples (a float or a list of them) or a whole result (a dict or any
+    object that is not iterable) to read with ``Experiment.figures``."""
     if rounds < 2:
         raise ValueError(f"an interval needs at least 2 rounds, got {rounds}")
     repeat = next(iter(runs)) if repeat is None else repeat
