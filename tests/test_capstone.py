@@ -138,6 +138,8 @@ def test_saved_run_reads_through_its_own_bands_and_without_samples_as_ratios():
         assert words <= ({None, "idle"} if row["traffic"] in at_once else {"pays", "costs", "ahead", "behind", "level", "idle"})
     assert {v["verdict"] for row in saved["decision"] for v in row["techniques"].values()} & {"pays", "costs"}
     assert f"short chat, shared system prompt and long reasoning ({capstone.AT_ONCE})" in format_decision(saved)
+    assert {t["name"] for t in saved["traffics"] if t["at_once"]} == at_once
+    assert format_full(saved).count("rate all at once") == 3  # the table's caption reads the same flag
     assert capstone.read(saved)["decision"] == saved["decision"]  # the bootstrap is seeded: the same file, the same words
     bare = copy.deepcopy(saved)  # the same run without its per-request figures: ratios, no band, no word
     for c in bare["columns"]:
@@ -199,6 +201,7 @@ def test_capstone_run_on_loopback_shared_prompt_hits_only_with_prefix_caching(tm
     row = r["decision"][0]
     assert row["techniques"]["prefix caching"]["x"] == pytest.approx(on["output_tok_s"] / off["output_tok_s"])
     assert r["bands"][0]["why_none"] == capstone.AT_ONCE  # sent at once: no band, with or without all (again)
+    assert r["traffics"][0]["at_once"] and "rate all at once" in format_full(r)
     assert row["techniques"]["prefix caching"]["verdict"] is None  # no A/A run: a ratio, no word
     assert "shared system prompt" in format_full(r)
     plot_capstone(r).savefig(tmp_path / "c.png")

@@ -366,8 +366,9 @@ def run(sizes: Sizes = Sizes(), scale: float = 1.0, which: tuple | None = None, 
 def read(result: dict) -> dict:
     """A run with its bands and decision (re)computed from the measurements, whatever rule it was saved with (the
     bootstrap is seeded: the same file reads the same every time)."""
-    return {**{k: v for k, v in result.items() if k not in ("noise", "floor")}, "bands": bands(result),
-            "decision": decision(result)}
+    traffics = [t | {"at_once": sent_at_once(t)} for t in result["traffics"]]  # one reading for bands and plots
+    return {**{k: v for k, v in result.items() if k not in ("noise", "floor")}, "traffics": traffics,
+            "bands": bands(result), "decision": decision(result)}
 
 
 def load(path=None) -> dict:

@@ -73,7 +73,7 @@ def format_full(r: dict) -> str:
     for t in r["traffics"]:
         out += ["", f"{t['name']} ({t['requests']} requests, {t['prompt_tokens_mean']:.0f} prompt tokens on average, "
                     f"{t['output_tokens']} output tokens; rate "
-                    f"{'all at once' if t['rate'] in (math.inf, 'inf', None) else t['rate']}"
+                    f"{'all at once' if t.get('at_once') else t.get('rate', 'not recorded')}"
                     f"{'' if t['burstiness'] == 1 else ', burstiness ' + str(t['burstiness'])}; "
                     f"SLO TTFT <= {t['ttft_ms']:.0f} ms, TPOT <= {t['tpot_ms']:.0f} ms)", head]
         for c in r["columns"]:
