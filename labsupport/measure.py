@@ -107,6 +107,12 @@ def _statistic(stat: str | Callable) -> tuple[Callable, bool]:
     return STATS[stat], True
 
 
+def _positive_denominator(stat, value: float) -> None:
+    if not value > 0:
+        name = stat if isinstance(stat, str) else getattr(stat, "__name__", "stat")
+        raise ValueError(f"the {name} of a is {value}: a ratio needs a positive denominator")
+
+
 def _runs(runs, side: str) -> tuple[np.ndarray, np.ndarray]:
     """Runs of samples as a (runs, longest) matrix padded with nan, and each run's length."""
     runs = list(runs)
@@ -142,17 +148,15 @@ def _run_ratio_interval(a, b, stat, confidence, n_resamples, seed, paired) -> In
     (ma, la), (mb, lb) = _runs(a, "a"), _runs(b, "b")
     if paired and len(la) != len(lb):
         raise ValueError(f"paired runs need the same count on both sides, got {len(la)} and {len(lb)}")
-    if callable(stat):
-        fn = stat
+    fn, vectorized = _statistic(stat)
+    if vectorized:
+        nan_fn = NAN_STATS[stat]
+    else:
         def nan_fn(v, axis):
             return np.array([fn(row[np.isfinite(row)]) for row in v])
-    else:
-        _statistic(stat)  # the same refusal of an unknown name
-        fn, nan_fn = STATS[stat], NAN_STATS[stat]
     name = stat if isinstance(stat, str) else getattr(stat, "__name__", "stat")
     whole_a, whole_b = ma[np.isfinite(ma)], mb[np.isfinite(mb)]
-    if not fn(whole_a) > 0:
-        raise ValueError(f"the {name} of a is {fn(whole_a)}: a ratio needs a positive denominator")
+    _positive_denominator(stat, fn(whole_a))
     rng = np.random.default_rng(seed)
     batch = max(1, MAX_RESAMPLED_VALUES // (ma.size + mb.size))
     ratios = []
@@ -191,8 +195,7 @@ def ratio_interval(a: Iterable[float], b: Iterable[float], stat: str | Callable 
                          "(paired=False for samples not measured side by side)")
     fn, vectorized = _statistic(stat)
     name = stat if isinstance(stat, str) else getattr(stat, "__name__", "stat")
-    if not fn(a) > 0:
-        raise ValueError(f"the {name} of a is {fn(a)}: a ratio needs a positive denominator")
+    _positive_denominator(stat, fn(a))
     if vectorized:
         def ratio(x, y, axis=-1):
             return fn(y, axis=axis) / fn(x, axis=axis)
